@@ -1,0 +1,14 @@
+"""fastconv: cache-blocked GEMM and NHWC convolutions for CPUs.
+
+numpy is the only run-time dependency.  The kernels are Cython + OpenMP,
+compiled for several ISAs (AVX-512, AVX2, portable); the best one this CPU
+runs is chosen at import (FASTCONV_ISA=avx512|avx2|baseline forces one).
+"""
+from ._config import __version__, show_config
+from ._threads import get_num_threads, set_num_threads
+from .gemm import dgemm, matmul, sgemm
+
+__all__ = [
+    "__version__", "show_config", "get_num_threads", "set_num_threads",
+    "sgemm", "dgemm", "matmul",
+]

@@ -1,0 +1,63 @@
+# cython: language_level=3
+"""CPU feature detection and OpenMP thread control, built for the baseline
+target so it imports on any CPU."""
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    #define FASTCONV_HAVE_OPENMP 1
+    #else
+    #define FASTCONV_HAVE_OPENMP 0
+    static int omp_get_max_threads(void) { return 1; }
+    static void omp_set_num_threads(int n) { (void)n; }
+    #endif
+
+    #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    /* __builtin_cpu_supports also checks that the OS saves the wide
+       registers (XCR0), not only the CPUID bits. */
+    static int fastconv_has_x86_64_v3(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+            && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2")
+            && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("movbe")
+            && __builtin_cpu_supports("lzcnt");
+    }
+    static int fastconv_has_x86_64_v4(void) {
+        __builtin_cpu_init();
+        return fastconv_has_x86_64_v3()
+            && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq")
+            && __builtin_cpu_supports("avx512vl");
+    }
+    #else
+    static int fastconv_has_x86_64_v3(void) { return 0; }
+    static int fastconv_has_x86_64_v4(void) { return 0; }
+    #endif
+    """
+    int FASTCONV_HAVE_OPENMP
+    int omp_get_max_threads() nogil
+    void omp_set_num_threads(int n) nogil
+    int fastconv_has_x86_64_v3()
+    int fastconv_has_x86_64_v4()
+
+HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
+
+
+def cpu_supports(isa):
+    """Whether this CPU (and OS) can run the named kernel build."""
+    if isa == "avx512":
+        return bool(fastconv_has_x86_64_v4())
+    if isa == "avx2":
+        return bool(fastconv_has_x86_64_v3())
+    if isa == "baseline":
+        return True
+    raise ValueError(f"unknown ISA {isa!r}")
+
+
+def get_max_threads():
+    return omp_get_max_threads()
+
+
+def set_max_threads(int n):
+    omp_set_num_threads(n)

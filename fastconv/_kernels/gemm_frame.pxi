@@ -1,0 +1,300 @@
+# Goto/BLIS-style GEMM: one source for every ISA build.
+#
+# Included by the thin per-ISA modules (gemm_avx512.pyx, gemm_avx2.pyx,
+# gemm_baseline.pyx).  Before the include, each defines in a verbatim C block
+# the macros that micro_kernel.h documents (FC_VBYTES and the float32/float64
+# tiles FC_S_MR x FC_S_NR, FC_D_MR x FC_D_NR) and the blocking
+# FC_{S,D}_{MC,KC,NC}: height of a packed A block, depth of a packed block,
+# width of a packed B block; and ISA_NAME, a str.
+#
+# C is computed as alpha*A@B + beta*C for arbitrary element strides on all
+# three operands (transposes and negative strides are just strides), so the
+# Python facade never copies an operand to fix its layout.
+#
+# Loop nest (Goto): jc over N by NC -> pc over K by KC -> pack the KC x NC
+# block of B (shared by all threads) -> parallel over (MC block of A, share of
+# the NR panels) tasks -> pack the MC x KC block of A (per thread) -> ir over
+# MR panels -> jr over NR panels -> micro-kernel.  The micro-kernel broadcasts
+# one A element and multiplies it into NR/VLEN vectors of B, so C tiles are
+# stored along contiguous rows.  With ir outside jr, one A micro-panel
+# (MR x KC) stays in L1 while the B micro-panels stream from L2.
+
+from libc.stdlib cimport malloc, free
+from libc.stdint cimport uintptr_t
+from cython.parallel cimport prange, threadid
+
+cdef extern from "micro_kernel.h":
+    enum:
+        S_MR "FC_S_MR"
+        S_NR "FC_S_NR"
+        S_MC "FC_S_MC"
+        S_KC "FC_S_KC"
+        S_NC "FC_S_NC"
+        D_MR "FC_D_MR"
+        D_NR "FC_D_NR"
+        D_MC "FC_D_MC"
+        D_KC "FC_D_KC"
+        D_NC "FC_D_NC"
+    void fc_micro_kernel_f32(Py_ssize_t kc, const float* a, const float* b, float* acc) noexcept nogil
+    void fc_micro_kernel_f64(Py_ssize_t kc, const double* a, const double* b, double* acc) noexcept nogil
+
+ctypedef fused real:
+    float
+    double
+
+cdef extern from *:
+    """
+    #ifdef _OPENMP
+    #include <omp.h>
+    #define FASTCONV_HAVE_OPENMP 1
+    #else
+    #define FASTCONV_HAVE_OPENMP 0
+    static int omp_get_max_threads(void) { return 1; }
+    #endif
+    """
+    int omp_get_max_threads() noexcept nogil
+    int FASTCONV_HAVE_OPENMP
+
+# Below this many flops a parallel region costs more than it saves.
+cdef enum:
+    MIN_FLOPS_PER_THREAD = 2000000
+    ALIGN = 64
+    MAX_TILE = S_MR * S_NR + D_MR * D_NR
+
+ISA = ISA_NAME
+HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
+TILE_F32 = (S_MR, S_NR)
+TILE_F64 = (D_MR, D_NR)
+BLOCKING_F32 = {"MC": S_MC, "KC": S_KC, "NC": S_NC}
+BLOCKING_F64 = {"MC": D_MC, "KC": D_KC, "NC": D_NC}
+
+
+cdef inline void* aligned_malloc(size_t nbytes) noexcept nogil:
+    # malloc + manual alignment: posix_memalign/aligned_alloc are not on every
+    # platform's C runtime.  The original pointer is stored just below.
+    cdef void* raw = malloc(nbytes + ALIGN + sizeof(void*))
+    if raw == NULL:
+        return NULL
+    cdef uintptr_t p = (<uintptr_t>raw + sizeof(void*) + ALIGN - 1) & ~(<uintptr_t>(ALIGN - 1))
+    (<void**>p)[-1] = raw
+    return <void*>p
+
+
+cdef inline void aligned_free(void* p) noexcept nogil:
+    if p != NULL:
+        free((<void**>p)[-1])
+
+
+cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return (a + b - 1) // b
+
+
+cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
+                            real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                            Py_ssize_t mr, Py_ssize_t nr,
+                            real alpha, real beta, bint first) noexcept nogil:
+    # first K block: C = alpha*acc + beta*C (beta == 0 never reads C, so NaN
+    # in C is overwritten as BLAS does); later K blocks accumulate.
+    cdef Py_ssize_t i, j
+    cdef real* crow
+    cdef const real* arow
+    if csc == 1:
+        for i in range(mr):
+            crow = c + i * rsc
+            arow = acc + i * nr_full
+            if not first:
+                for j in range(nr):
+                    crow[j] += alpha * arow[j]
+            elif beta == 0:
+                for j in range(nr):
+                    crow[j] = alpha * arow[j]
+            else:
+                for j in range(nr):
+                    crow[j] = alpha * arow[j] + beta * crow[j]
+    else:
+        for i in range(mr):
+            crow = c + i * rsc
+            arow = acc + i * nr_full
+            for j in range(nr):
+                if not first:
+                    crow[j * csc] += alpha * arow[j]
+                elif beta == 0:
+                    crow[j * csc] = alpha * arow[j]
+                else:
+                    crow[j * csc] = alpha * arow[j] + beta * crow[j * csc]
+
+
+cdef void pack_a_block(Py_ssize_t mc, Py_ssize_t kc, const real* a,
+                       Py_ssize_t rsa, Py_ssize_t csa, real* dst) noexcept nogil:
+    # A[0:mc, 0:kc] -> ceil(mc/MR) panels, each kc columns of MR contiguous
+    # values; rows past mc are zero so the micro-kernel needs no edge case.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t ip, ir, i, p, mr
+    cdef const real* src
+    for ip in range(cdiv(mc, MR)):
+        ir = ip * MR
+        mr = min(MR, mc - ir)
+        if csa == 1 and mr == MR:
+            # Row-major A: read each row once, sequentially.
+            for i in range(MR):
+                src = a + (ir + i) * rsa
+                for p in range(kc):
+                    dst[p * MR + i] = src[p]
+        elif rsa == 1 and mr == MR:
+            # Column-major A (A.T of a C array): a contiguous copy per k.
+            for p in range(kc):
+                src = a + ir + p * csa
+                for i in range(MR):
+                    dst[p * MR + i] = src[i]
+        else:
+            for p in range(kc):
+                for i in range(mr):
+                    dst[p * MR + i] = a[(ir + i) * rsa + p * csa]
+                for i in range(mr, MR):
+                    dst[p * MR + i] = 0
+        dst += MR * kc
+
+
+cdef void pack_b_panel(Py_ssize_t kc, Py_ssize_t nr, const real* b,
+                       Py_ssize_t rsb, Py_ssize_t csb, real* dst) noexcept nogil:
+    # B[0:kc, 0:nr] -> kc rows of NR contiguous values, zero past nr.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t p, j
+    cdef const real* src
+    if csb == 1 and nr == NR:
+        for p in range(kc):
+            src = b + p * rsb
+            for j in range(NR):
+                dst[p * NR + j] = src[j]
+    else:
+        for p in range(kc):
+            src = b + p * rsb
+            for j in range(nr):
+                dst[p * NR + j] = src[j * csb]
+            for j in range(nr, NR):
+                dst[p * NR + j] = 0
+
+
+cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
+                       Py_ssize_t jp0, Py_ssize_t jp1,
+                       const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                       real* apack, const real* bpack,
+                       real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                       real alpha, real beta, bint first) noexcept nogil:
+    # One thread's task: pack its MC x KC block of A, then multiply it by the
+    # NR panels jp0..jp1 of the packed B block.  acc lives on this thread's
+    # stack.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef real acc[MAX_TILE]
+    cdef Py_ssize_t ip, ir, jp, jr
+    pack_a_block(mc, kc, a, rsa, csa, apack)
+    for ip in range(cdiv(mc, MR)):
+        ir = ip * MR
+        for jp in range(jp0, jp1):
+            jr = jp * NR
+            if real is float:
+                fc_micro_kernel_f32(kc, apack + ir * kc, bpack + jr * kc, acc)
+            else:
+                fc_micro_kernel_f64(kc, apack + ir * kc, bpack + jr * kc, acc)
+            store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
+                       min(MR, mc - ir), min(NR, nc - jr), alpha, beta, first)
+
+
+cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
+                    const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                    const real* b, Py_ssize_t rsb, Py_ssize_t csb,
+                    real beta, real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                    int max_threads) noexcept nogil:
+    """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C.  Returns 0, or -1 when out of
+    memory (C is then untouched).  Requires M, N, K >= 1."""
+    cdef Py_ssize_t MR, NR, MC, KC, NC
+    if real is float:
+        MR = S_MR; NR = S_NR; MC = S_MC; KC = S_KC; NC = S_NC
+    else:
+        MR = D_MR; NR = D_NR; MC = D_MC; KC = D_KC; NC = D_NC
+
+    # Threads: never more than the work pays for.
+    cdef double flops = 2.0 * M * N * K
+    cdef int nt = max_threads
+    if nt < 1:
+        nt = 1
+    if flops < <double>MIN_FLOPS_PER_THREAD * nt:
+        nt = max(1, <int>(flops / MIN_FLOPS_PER_THREAD))
+
+    # A is cut into n_ic blocks of whole MR panels, as even as possible, their
+    # number a multiple of the thread count so that static scheduling is
+    # balanced; when M has too few panels for that, threads also split the
+    # NR panels of each B block (n_js ways).
+    cdef Py_ssize_t m_panels = cdiv(M, MR)
+    cdef Py_ssize_t n_ic = cdiv(M, MC)
+    if m_panels >= nt:
+        n_ic = min(cdiv(n_ic, nt) * nt, m_panels)
+    cdef Py_ssize_t mc_blk = cdiv(m_panels, n_ic) * MR
+    cdef Py_ssize_t n_js = 1
+    if n_ic < nt:
+        n_js = nt // n_ic
+
+    cdef Py_ssize_t kc_blk = KC
+    if K > KC:
+        # Equal K blocks avoid a short, inefficient last one.
+        kc_blk = cdiv(K, cdiv(K, KC))
+    cdef Py_ssize_t nc_blk = min(max(NC // NR, 1) * NR, cdiv(N, NR) * NR)
+
+    cdef real* bbuf = <real*>aligned_malloc(kc_blk * nc_blk * sizeof(real))
+    cdef real* abuf = <real*>aligned_malloc(nt * mc_blk * kc_blk * sizeof(real))
+    if bbuf == NULL or abuf == NULL:
+        aligned_free(bbuf)
+        aligned_free(abuf)
+        return -1
+
+    cdef Py_ssize_t jblk, jc, pblk, pc, nc, kc, n_panels, jp, task, ic, ic_end, js
+    cdef bint first
+
+    for jblk in range(cdiv(N, nc_blk)):
+        jc = jblk * nc_blk
+        nc = min(nc_blk, N - jc)
+        n_panels = cdiv(nc, NR)
+        for pblk in range(cdiv(K, kc_blk)):
+            pc = pblk * kc_blk
+            kc = min(kc_blk, K - pc)
+            first = pc == 0
+            for jp in prange(n_panels, num_threads=nt, schedule="static"):
+                pack_b_panel(kc, min(NR, nc - jp * NR), b + pc * rsb + (jc + jp * NR) * csb,
+                             rsb, csb, bbuf + jp * NR * kc)
+            for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
+                ic = (task // n_js) * m_panels // n_ic * MR
+                ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
+                js = task % n_js
+                macro_kernel(ic_end - ic, nc, kc,
+                             js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                             a + ic * rsa + pc * csa, rsa, csa,
+                             abuf + threadid() * mc_blk * kc_blk, bbuf,
+                             c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first)
+    aligned_free(bbuf)
+    aligned_free(abuf)
+    return 0
+
+
+def gemm(double alpha, const real[:, :] a, const real[:, :] b, double beta,
+         real[:, :] c, int num_threads):
+    """c[...] = alpha * a @ b + beta * c, in place; any strides.
+
+    The facade has checked shapes, dtypes and emptiness (M, N, K >= 1) and
+    that c does not overlap a or b.
+    """
+    cdef Py_ssize_t M = a.shape[0], K = a.shape[1], N = b.shape[1]
+    cdef Py_ssize_t item = sizeof(real)
+    cdef int status
+    with nogil:
+        status = gemm_nogil(M, N, K, <real>alpha,
+                            &a[0, 0], a.strides[0] // item, a.strides[1] // item,
+                            &b[0, 0], b.strides[0] // item, b.strides[1] // item,
+                            <real>beta, &c[0, 0], c.strides[0] // item, c.strides[1] // item,
+                            num_threads)
+    if status != 0:
+        raise MemoryError("fastconv gemm: could not allocate packing buffers")
+
+
+def max_threads():
+    return omp_get_max_threads()

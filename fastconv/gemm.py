@@ -1,0 +1,125 @@
+"""GEMM facade: argument checking for sgemm/dgemm/matmul; the work is one
+call into the dispatched kernel build (fastconv._dispatch.kernels.gemm)."""
+import numbers
+
+import numpy as np
+
+from . import _dispatch
+from ._threads import get_num_threads
+
+__all__ = ["sgemm", "dgemm", "matmul"]
+
+
+def as_float_matrix(x, name, dtype=None):
+    """``x`` as a 2-D floating ndarray (cast to ``dtype`` when given).
+
+    Views keep their strides: the packing routines read any layout.  Only a
+    stride that is not a whole number of elements forces a copy.
+    """
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got {x.ndim}-D with shape {x.shape}")
+    if dtype is not None:
+        x = x.astype(dtype, copy=False)
+    if x.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
+    if any(s % x.itemsize for s in x.strides):
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def as_scalar(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def gemm_into(alpha, a, b, beta, out):
+    """out = alpha*a@b + beta*out for checked operands (out may be any
+    writeable strided view; it must not overlap a or b).  beta == 0 ignores
+    what out held, NaN included."""
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        if beta == 0:
+            out[...] = 0
+        else:
+            out *= beta
+        return out
+    _dispatch.kernels.gemm(alpha, a, b, beta, out, get_num_threads())
+    return out
+
+
+def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
+    alpha = as_scalar(alpha, "alpha")
+    beta = as_scalar(beta, "beta")
+    a = as_float_matrix(a, "a", dtype)
+    b = as_float_matrix(b, "b", dtype)
+    if trans_a:
+        a = a.T
+    if trans_b:
+        b = b.T
+    M, K = a.shape
+    if b.shape[0] != K:
+        raise ValueError(f"inner dimensions differ: op(a) is {M}x{K} but op(b) is "
+                         f"{b.shape[0]}x{b.shape[1]}")
+    N = b.shape[1]
+    if c is None:
+        out = np.empty((M, N), dtype)
+        beta = 0.0
+    else:
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"c must be a numpy array, got {type(c).__name__}")
+        if c.dtype != dtype:
+            raise TypeError(f"c must have dtype {np.dtype(dtype)}, got {c.dtype}")
+        if c.shape != (M, N):
+            raise ValueError(f"c must have shape {(M, N)}, got {c.shape}")
+        if overwrite_c:
+            if not c.flags.writeable:
+                raise ValueError("c is read-only but overwrite_c=True")
+            out = c if not any(s % c.itemsize for s in c.strides) else None
+            if out is None:
+                raise ValueError("c has strides that are not whole elements; pass a copy")
+            # The kernel re-reads A and B after writing parts of C.
+            if np.may_share_memory(out, a):
+                a = a.copy()
+            if np.may_share_memory(out, b):
+                b = b.copy()
+        else:
+            out = np.array(c, dtype=dtype, order="C") if beta != 0 else np.empty((M, N), dtype)
+    return gemm_into(alpha, a, b, beta, out)
+
+
+def sgemm(alpha, a, b, beta=0.0, c=None, trans_a=False, trans_b=False, overwrite_c=False):
+    """float32 ``alpha * op(a) @ op(b) + beta * c``, like scipy.linalg.blas.sgemm.
+
+    op(x) is x, or x.T when trans_x is true.  a and b may be any 2-D floating
+    arrays (other float dtypes are cast; strided and negative-stride views
+    are read in place).  c, when given, must be float32 of shape (M, N); it is
+    written in place when overwrite_c is true, else a new array is returned.
+    beta == 0 ignores what c holds, NaN included (BLAS semantics).
+    """
+    return _gemm(np.float32, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+
+
+def dgemm(alpha, a, b, beta=0.0, c=None, trans_a=False, trans_b=False, overwrite_c=False):
+    """float64 twin of :func:`sgemm` (scipy.linalg.blas.dgemm semantics)."""
+    return _gemm(np.float64, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+
+
+def matmul(a, b):
+    """``a @ b`` for 2-D float32/float64 arrays, like np.matmul (mixed
+    float32/float64 gives float64)."""
+    a = as_float_matrix(a, "a")
+    b = as_float_matrix(b, "b")
+    dtype = np.result_type(a.dtype, b.dtype)
+    a = a.astype(dtype, copy=False)
+    b = b.astype(dtype, copy=False)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {a.shape[0]}x{a.shape[1]} but b is "
+                         f"{b.shape[0]}x{b.shape[1]}; inner dimensions differ")
+    return gemm_into(1.0, a, b, 0.0, np.empty((a.shape[0], b.shape[1]), dtype))
