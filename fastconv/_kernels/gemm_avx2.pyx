@@ -7,12 +7,10 @@ cdef extern from *:
     #define FC_VBYTES 32
     #define FC_S_MR 6
     #define FC_S_NR 16
-    #define FC_S_MC 192
     #define FC_S_KC 256
     #define FC_S_NC 512
     #define FC_D_MR 6
     #define FC_D_NR 8
-    #define FC_D_MC 96
     #define FC_D_KC 256
     #define FC_D_NC 256
     """

@@ -9,12 +9,10 @@ cdef extern from *:
     #define FC_VBYTES 64
     #define FC_S_MR 12
     #define FC_S_NR 32
-    #define FC_S_MC 224
     #define FC_S_KC 256
     #define FC_S_NC 256
     #define FC_D_MR 14
     #define FC_D_NR 16
-    #define FC_D_MC 112
     #define FC_D_KC 256
     #define FC_D_NC 256
     """

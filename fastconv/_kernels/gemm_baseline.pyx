@@ -8,12 +8,10 @@ cdef extern from *:
     #define FC_VBYTES 16
     #define FC_S_MR 6
     #define FC_S_NR 8
-    #define FC_S_MC 96
     #define FC_S_KC 256
     #define FC_S_NC 512
     #define FC_D_MR 6
     #define FC_D_NR 4
-    #define FC_D_MC 96
     #define FC_D_KC 256
     #define FC_D_NC 256
     """

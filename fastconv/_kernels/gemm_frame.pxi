@@ -3,40 +3,40 @@
 # Included by the thin per-ISA modules (gemm_avx512.pyx, gemm_avx2.pyx,
 # gemm_baseline.pyx).  Before the include, each defines in a verbatim C block
 # the macros that micro_kernel.h documents (FC_VBYTES and the float32/float64
-# tiles FC_S_MR x FC_S_NR, FC_D_MR x FC_D_NR) and the blocking
-# FC_{S,D}_{MC,KC,NC}: height of a packed A block, depth of a packed block,
-# width of a packed B block; and ISA_NAME, a str.
+# tiles FC_S_MR x FC_S_NR, FC_D_MR x FC_D_NR) and the blocking FC_{S,D}_KC
+# (depth of a packed B block) and FC_{S,D}_NC (its width); and ISA_NAME.
 #
 # C is computed as alpha*A@B + beta*C for arbitrary element strides on all
 # three operands (transposes and negative strides are just strides), so the
 # Python facade never copies an operand to fix its layout.
 #
-# Loop nest (Goto): jc over N by NC -> pc over K by KC -> pack the KC x NC
-# block of B (shared by all threads) -> parallel over (MC block of A, share of
-# the NR panels) tasks -> pack the MC x KC block of A (per thread) -> ir over
-# MR panels -> jr over NR panels -> micro-kernel.  The micro-kernel broadcasts
-# one A element and multiplies it into NR/VLEN vectors of B, so C tiles are
-# stored along contiguous rows.  With ir outside jr, one A micro-panel
-# (MR x KC) stays in L1 while the B micro-panels stream from L2.
+# Loop nest: jc over N by NC -> pc over K by KC -> pack the KC x NC block of
+# B into NR-column panels (all threads) -> one task per thread: a share of
+# the MR panels of A and/or of the NR panels of B -> ir over MR panels of A
+# (read in place, see macro_kernel) -> jr over NR panels -> micro-kernel.
+# The micro-kernel broadcasts one A element into NR/VL vectors of B, so C
+# tiles are stored along contiguous rows.  With ir outside jr, the MR x KC
+# slice of A stays in L1 while the B panels stream from L2 (a KC x NC block
+# is sized to half an L2).
 
 from libc.stdlib cimport malloc, free
 from libc.stdint cimport uintptr_t
-from cython.parallel cimport prange, threadid
+from cython.parallel cimport prange
 
 cdef extern from "micro_kernel.h":
     enum:
         S_MR "FC_S_MR"
         S_NR "FC_S_NR"
-        S_MC "FC_S_MC"
         S_KC "FC_S_KC"
         S_NC "FC_S_NC"
         D_MR "FC_D_MR"
         D_NR "FC_D_NR"
-        D_MC "FC_D_MC"
         D_KC "FC_D_KC"
         D_NC "FC_D_NC"
-    void fc_micro_kernel_f32(Py_ssize_t kc, const float* a, const float* b, float* acc) noexcept nogil
-    void fc_micro_kernel_f64(Py_ssize_t kc, const double* a, const double* b, double* acc) noexcept nogil
+    void fc_micro_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
+                             Py_ssize_t csa, const float* b, float* acc) noexcept nogil
+    void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
+                             Py_ssize_t csa, const double* b, double* acc) noexcept nogil
 
 ctypedef fused real:
     float
@@ -60,13 +60,17 @@ cdef enum:
     MIN_FLOPS_PER_THREAD = 2000000
     ALIGN = 64
     MAX_TILE = S_MR * S_NR + D_MR * D_NR
+    # A copied slice's rows are kc + 16 elements apart, never a multiple of
+    # the L1 set stride.
+    A_PANEL_PAD = 16
+    MAX_PANEL = S_MR * (S_KC + 16) + D_MR * (D_KC + 16)
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
 TILE_F32 = (S_MR, S_NR)
 TILE_F64 = (D_MR, D_NR)
-BLOCKING_F32 = {"MC": S_MC, "KC": S_KC, "NC": S_NC}
-BLOCKING_F64 = {"MC": D_MC, "KC": D_KC, "NC": D_NC}
+BLOCKING_F32 = {"KC": S_KC, "NC": S_NC}
+BLOCKING_F64 = {"KC": D_KC, "NC": D_NC}
 
 
 cdef inline void* aligned_malloc(size_t nbytes) noexcept nogil:
@@ -87,6 +91,12 @@ cdef inline void aligned_free(void* p) noexcept nogil:
 
 cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return (a + b - 1) // b
+
+
+cdef inline double share_efficiency(Py_ssize_t units, Py_ssize_t ways) noexcept nogil:
+    # Fraction of ways x (largest share) that is real work when `units`
+    # indivisible units are dealt out `ways` ways.
+    return units / <double>(ways * cdiv(units, ways))
 
 
 cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
@@ -124,37 +134,6 @@ cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
                     crow[j * csc] = alpha * arow[j] + beta * crow[j * csc]
 
 
-cdef void pack_a_block(Py_ssize_t mc, Py_ssize_t kc, const real* a,
-                       Py_ssize_t rsa, Py_ssize_t csa, real* dst) noexcept nogil:
-    # A[0:mc, 0:kc] -> ceil(mc/MR) panels, each kc columns of MR contiguous
-    # values; rows past mc are zero so the micro-kernel needs no edge case.
-    cdef Py_ssize_t MR = S_MR if real is float else D_MR
-    cdef Py_ssize_t ip, ir, i, p, mr
-    cdef const real* src
-    for ip in range(cdiv(mc, MR)):
-        ir = ip * MR
-        mr = min(MR, mc - ir)
-        if csa == 1 and mr == MR:
-            # Row-major A: read each row once, sequentially.
-            for i in range(MR):
-                src = a + (ir + i) * rsa
-                for p in range(kc):
-                    dst[p * MR + i] = src[p]
-        elif rsa == 1 and mr == MR:
-            # Column-major A (A.T of a C array): a contiguous copy per k.
-            for p in range(kc):
-                src = a + ir + p * csa
-                for i in range(MR):
-                    dst[p * MR + i] = src[i]
-        else:
-            for p in range(kc):
-                for i in range(mr):
-                    dst[p * MR + i] = a[(ir + i) * rsa + p * csa]
-                for i in range(mr, MR):
-                    dst[p * MR + i] = 0
-        dst += MR * kc
-
-
 cdef void pack_b_panel(Py_ssize_t kc, Py_ssize_t nr, const real* b,
                        Py_ssize_t rsb, Py_ssize_t csb, real* dst) noexcept nogil:
     # B[0:kc, 0:nr] -> kc rows of NR contiguous values, zero past nr.
@@ -175,30 +154,63 @@ cdef void pack_b_panel(Py_ssize_t kc, Py_ssize_t nr, const real* b,
                 dst[p * NR + j] = 0
 
 
+cdef void copy_a_panel(Py_ssize_t mr, Py_ssize_t kc, const real* a,
+                       Py_ssize_t rsa, Py_ssize_t csa, real* dst) noexcept nogil:
+    # A[0:mr, 0:kc] -> row-major with leading dimension kc + A_PANEL_PAD.
+    cdef Py_ssize_t ld = kc + A_PANEL_PAD
+    cdef Py_ssize_t i, p
+    if csa == 1:
+        for i in range(mr):
+            for p in range(kc):
+                dst[i * ld + p] = a[i * rsa + p]
+    else:
+        # Read along whichever axis is contiguous (rsa == 1 for A.T views).
+        for p in range(kc):
+            for i in range(mr):
+                dst[i * ld + p] = a[i * rsa + p * csa]
+
+
 cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                        Py_ssize_t jp0, Py_ssize_t jp1,
                        const real* a, Py_ssize_t rsa, Py_ssize_t csa,
-                       real* apack, const real* bpack,
-                       real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                       const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                        real alpha, real beta, bint first) noexcept nogil:
-    # One thread's task: pack its MC x KC block of A, then multiply it by the
-    # NR panels jp0..jp1 of the packed B block.  acc lives on this thread's
+    # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
+    # of the packed B block.  A is not packed into k-major panels: each
+    # element of a row-major A is used only N times, and that transposing
+    # pack cost 6-20 % of the run time on conv-shaped products (N = 64..256),
+    # while the micro-kernel reads MR rows in place as fast as a packed panel
+    # (the MR x kc slice stays in L1 across the jr loop).  Two layouts defeat
+    # that and get a plain copy of the slice first (under 1 % of the work):
+    # rows a multiple of 2 KiB apart, which all fall in a few L1 sets (8-way
+    # on the CPUs we target; measured 12 % slower at N = 1024 and 2048), and
+    # non-unit k stride (A.T views).  acc and the copy live on this thread's
     # stack.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
-    cdef Py_ssize_t ip, ir, jp, jr
-    pack_a_block(mc, kc, a, rsa, csa, apack)
+    cdef real panel[MAX_PANEL]
+    cdef bint copy_a = csa != 1 or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0
+    cdef const real* ap
+    cdef Py_ssize_t ip, ir, jp, jr, mr, ars = rsa, acs = csa
+    if copy_a:
+        ars = kc + A_PANEL_PAD
+        acs = 1
     for ip in range(cdiv(mc, MR)):
         ir = ip * MR
+        mr = min(MR, mc - ir)
+        ap = a + ir * rsa
+        if copy_a:
+            copy_a_panel(mr, kc, ap, rsa, csa, panel)
+            ap = panel
         for jp in range(jp0, jp1):
             jr = jp * NR
             if real is float:
-                fc_micro_kernel_f32(kc, apack + ir * kc, bpack + jr * kc, acc)
+                fc_micro_kernel_f32(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
             else:
-                fc_micro_kernel_f64(kc, apack + ir * kc, bpack + jr * kc, acc)
+                fc_micro_kernel_f64(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
             store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
-                       min(MR, mc - ir), min(NR, nc - jr), alpha, beta, first)
+                       mr, min(NR, nc - jr), alpha, beta, first)
 
 
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
@@ -208,11 +220,11 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     int max_threads) noexcept nogil:
     """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C.  Returns 0, or -1 when out of
     memory (C is then untouched).  Requires M, N, K >= 1."""
-    cdef Py_ssize_t MR, NR, MC, KC, NC
+    cdef Py_ssize_t MR, NR, KC, NC
     if real is float:
-        MR = S_MR; NR = S_NR; MC = S_MC; KC = S_KC; NC = S_NC
+        MR = S_MR; NR = S_NR; KC = S_KC; NC = S_NC
     else:
-        MR = D_MR; NR = D_NR; MC = D_MC; KC = D_KC; NC = D_NC
+        MR = D_MR; NR = D_NR; KC = D_KC; NC = D_NC
 
     # Threads: never more than the work pays for.
     cdef double flops = 2.0 * M * N * K
@@ -222,30 +234,30 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     if flops < <double>MIN_FLOPS_PER_THREAD * nt:
         nt = max(1, <int>(flops / MIN_FLOPS_PER_THREAD))
 
-    # A is cut into n_ic blocks of whole MR panels, as even as possible, their
-    # number a multiple of the thread count so that static scheduling is
-    # balanced; when M has too few panels for that, threads also split the
-    # NR panels of each B block (n_js ways).
-    cdef Py_ssize_t m_panels = cdiv(M, MR)
-    cdef Py_ssize_t n_ic = cdiv(M, MC)
-    if m_panels >= nt:
-        n_ic = min(cdiv(n_ic, nt) * nt, m_panels)
-    cdef Py_ssize_t mc_blk = cdiv(m_panels, n_ic) * MR
-    cdef Py_ssize_t n_js = 1
-    if n_ic < nt:
-        n_js = nt // n_ic
-
     cdef Py_ssize_t kc_blk = KC
     if K > KC:
         # Equal K blocks avoid a short, inefficient last one.
         kc_blk = cdiv(K, cdiv(K, KC))
     cdef Py_ssize_t nc_blk = min(max(NC // NR, 1) * NR, cdiv(N, NR) * NR)
 
+    # One task per thread: the MR panels of A are split n_ic ways and the NR
+    # panels of each B block n_js ways (n_ic * n_js == nt), choosing the split
+    # that wastes least to uneven shares: a short M (M = 49 at the end of a
+    # ResNet) is better split along N.
+    cdef Py_ssize_t m_panels = cdiv(M, MR), n_panels_blk = cdiv(nc_blk, NR)
+    cdef Py_ssize_t n_ic = nt, n_js = 1, d
+    cdef double eff, best = -1.0
+    for d in range(1, nt + 1):
+        if nt % d == 0:
+            eff = (share_efficiency(m_panels, nt // d)
+                   * share_efficiency(n_panels_blk, d))
+            if eff > best + 1e-9:
+                best = eff
+                n_ic = nt // d
+                n_js = d
+
     cdef real* bbuf = <real*>aligned_malloc(kc_blk * nc_blk * sizeof(real))
-    cdef real* abuf = <real*>aligned_malloc(nt * mc_blk * kc_blk * sizeof(real))
-    if bbuf == NULL or abuf == NULL:
-        aligned_free(bbuf)
-        aligned_free(abuf)
+    if bbuf == NULL:
         return -1
 
     cdef Py_ssize_t jblk, jc, pblk, pc, nc, kc, n_panels, jp, task, ic, ic_end, js
@@ -263,16 +275,15 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                 pack_b_panel(kc, min(NR, nc - jp * NR), b + pc * rsb + (jc + jp * NR) * csb,
                              rsb, csb, bbuf + jp * NR * kc)
             for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
-                ic = (task // n_js) * m_panels // n_ic * MR
+                ic = min(M, (task // n_js) * m_panels // n_ic * MR)
                 ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
                 js = task % n_js
-                macro_kernel(ic_end - ic, nc, kc,
-                             js * n_panels // n_js, (js + 1) * n_panels // n_js,
-                             a + ic * rsa + pc * csa, rsa, csa,
-                             abuf + threadid() * mc_blk * kc_blk, bbuf,
-                             c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first)
+                if ic_end > ic:
+                    macro_kernel(ic_end - ic, nc, kc,
+                                 js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                                 a + ic * rsa + pc * csa, rsa, csa, bbuf,
+                                 c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first)
     aligned_free(bbuf)
-    aligned_free(abuf)
     return 0
 
 

@@ -1,7 +1,7 @@
 /* The GEMM micro-kernel, one source for every ISA build.
  *
- * acc[MR*NR] = A_panel (kc x MR, packed: MR values per k) @ B_panel (kc x NR,
- * packed: NR values per k), accumulated in MR x (NR/VL) vector registers.
+ * acc[R*NR] = A (R x kc, read through its strides) @ B_panel (kc x NR,
+ * packed: NR values per k), accumulated in R x (NR/VL) vector registers.
  *
  * Written with GCC/Clang vector extensions rather than plain loops: the
  * compiler's auto-vectoriser picks a good schedule for some (MR, NR) and a
@@ -31,27 +31,25 @@
 #define FC_UNROLL FC_PRAGMA(GCC unroll 64)
 #endif
 
-#define FC_DEFINE_MICRO_KERNEL(NAME, T, MR, NR)                                  \
-    typedef T NAME##_vec __attribute__((vector_size(FC_VBYTES)));               \
-    static inline void NAME(ptrdiff_t kc, const T *restrict a,                  \
-                            const T *restrict b, T *restrict acc)              \
+/* acc = A (MR x kc) @ B_panel (kc x NR); A element (i, p) is a[i*ARS + p*ACS]. */
+#define FC_MICRO_KERNEL_BODY(T, VEC, MR, NR, ARS, ACS)                           \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
-        NAME##_vec c[MR][NV];                                                   \
+        VEC c[MR][NV];                                                          \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
             FC_UNROLL for (int j = 0; j < NV; j++)                              \
-                c[i][j] = (NAME##_vec){0};                                      \
+                c[i][j] = (VEC){0};                                             \
         for (ptrdiff_t p = 0; p < kc; p++) {                                    \
-            NAME##_vec bv[NV];                                                  \
+            VEC bv[NV];                                                         \
             /* memcpy: an unaligned-safe vector load the compiler folds. */     \
             FC_UNROLL for (int j = 0; j < NV; j++)                              \
                 memcpy(&bv[j], b + j * VL, FC_VBYTES);                          \
             FC_UNROLL for (int i = 0; i < (MR); i++) {                          \
-                const T ai = a[i];                                              \
+                const T ai = a[i * (ARS)];                                      \
                 FC_UNROLL for (int j = 0; j < NV; j++)                          \
                     c[i][j] += ai * bv[j];                                      \
             }                                                                   \
-            a += (MR);                                                          \
+            a += (ACS);                                                         \
             b += (NR);                                                          \
         }                                                                       \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
@@ -59,7 +57,42 @@
                 memcpy(acc + i * (NR) + j * VL, &c[i][j], FC_VBYTES);           \
     }
 
-FC_DEFINE_MICRO_KERNEL(fc_micro_kernel_f32, float, FC_S_MR, FC_S_NR)
-FC_DEFINE_MICRO_KERNEL(fc_micro_kernel_f64, double, FC_D_MR, FC_D_NR)
+/* A is read in place through its strides (row-major A would otherwise need
+ * a transposing pack that cost 6-20 % on conv-shaped products).  One kernel
+ * per row count R = 1..16, so a short last panel of A (M = 49 = 4*12 + 1)
+ * costs R rows of work instead of MR; fc_micro_kernel_<dtype>(mr, ...) picks
+ * one.  Kernels with R above the build's MR are never called. */
+#define FC_DEFINE_ROWS_KERNEL(SUFFIX, T, R, NR)                                  \
+    static inline void fc_micro_kernel_##SUFFIX##_##R(                          \
+        ptrdiff_t kc, const T *restrict a, ptrdiff_t rsa, ptrdiff_t csa,        \
+        const T *restrict b, T *restrict acc)                                   \
+    FC_MICRO_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR, rsa, csa)
+
+#define FC_ROWS_CASE(SUFFIX, T, R, NR)                                           \
+    case R: fc_micro_kernel_##SUFFIX##_##R(kc, a, rsa, csa, b, acc); break;
+
+#define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
+    X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
+    X(SUFFIX, T, 4, NR) X(SUFFIX, T, 5, NR) X(SUFFIX, T, 6, NR)                 \
+    X(SUFFIX, T, 7, NR) X(SUFFIX, T, 8, NR) X(SUFFIX, T, 9, NR)                 \
+    X(SUFFIX, T, 10, NR) X(SUFFIX, T, 11, NR) X(SUFFIX, T, 12, NR)              \
+    X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
+    X(SUFFIX, T, 16, NR)
+
+#define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, NR)                                   \
+    typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
+    FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
+    static inline void fc_micro_kernel_##SUFFIX(                                \
+        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, ptrdiff_t csa,         \
+        const T *b, T *acc)                                                     \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
+    }
+
+#if FC_S_MR > 16 || FC_D_MR > 16
+#error "micro-kernels exist for at most 16 rows"
+#endif
+FC_DEFINE_MICRO_KERNELS(f32, float, FC_S_NR)
+FC_DEFINE_MICRO_KERNELS(f64, double, FC_D_NR)
 
 #endif
