@@ -16,3 +16,4 @@ cdef extern from *:
     """
 ISA_NAME = "avx2"
 include "gemm_frame.pxi"
+include "conv_frame.pxi"

@@ -102,29 +102,27 @@ cdef inline double share_efficiency(Py_ssize_t units, Py_ssize_t ways) noexcept 
 cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
                             real* c, Py_ssize_t rsc, Py_ssize_t csc,
                             Py_ssize_t mr, Py_ssize_t nr,
-                            real alpha, real beta, bint first) noexcept nogil:
-    # first K block: C = alpha*acc + beta*C (beta == 0 never reads C, so NaN
-    # in C is overwritten as BLAS does); later K blocks accumulate.
+                            real alpha, real beta, bint first,
+                            const real* bias) noexcept nogil:
+    # First K block: C = alpha*acc + beta*C (+ bias[j] when bias is given;
+    # beta == 0 never reads C, so NaN in C is overwritten as BLAS does).
+    # Later K blocks accumulate.
     cdef Py_ssize_t i, j
     cdef real* crow
     cdef const real* arow
-    if csc == 1:
-        for i in range(mr):
-            crow = c + i * rsc
-            arow = acc + i * nr_full
-            if not first:
-                for j in range(nr):
-                    crow[j] += alpha * arow[j]
-            elif beta == 0:
-                for j in range(nr):
-                    crow[j] = alpha * arow[j]
-            else:
-                for j in range(nr):
-                    crow[j] = alpha * arow[j] + beta * crow[j]
-    else:
-        for i in range(mr):
-            crow = c + i * rsc
-            arow = acc + i * nr_full
+    for i in range(mr):
+        crow = c + i * rsc
+        arow = acc + i * nr_full
+        if csc == 1 and not first:
+            for j in range(nr):
+                crow[j] += alpha * arow[j]
+        elif csc == 1 and beta == 0 and bias == NULL:
+            for j in range(nr):
+                crow[j] = alpha * arow[j]
+        elif csc == 1 and beta == 0:
+            for j in range(nr):
+                crow[j] = alpha * arow[j] + bias[j]
+        else:
             for j in range(nr):
                 if not first:
                     crow[j * csc] += alpha * arow[j]
@@ -132,6 +130,44 @@ cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
                     crow[j * csc] = alpha * arow[j]
                 else:
                     crow[j * csc] = alpha * arow[j] + beta * crow[j * csc]
+                if first and bias != NULL:
+                    crow[j * csc] += bias[j]
+
+
+cdef inline int threads_for(double flops, int max_threads) noexcept nogil:
+    # Never more threads than the work pays for.
+    cdef int nt = max_threads if max_threads > 1 else 1
+    if flops < <double>MIN_FLOPS_PER_THREAD * nt:
+        nt = max(1, <int>(flops / MIN_FLOPS_PER_THREAD))
+    return nt
+
+
+cdef inline void block_sizes(real dtype_tag, Py_ssize_t K, Py_ssize_t N,
+                             Py_ssize_t* kc_blk, Py_ssize_t* nc_blk) noexcept nogil:
+    # Depth and width of a packed B block for a K x N operand.  Equal K
+    # blocks avoid a short, inefficient last one.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t NC = S_NC if real is float else D_NC
+    kc_blk[0] = cdiv(K, cdiv(K, KC)) if K > KC else K
+    nc_blk[0] = min(max(NC // NR, 1) * NR, cdiv(N, NR) * NR)
+
+
+cdef inline void best_split(Py_ssize_t units_a, Py_ssize_t units_b, int nt,
+                            Py_ssize_t* ways_a, Py_ssize_t* ways_b) noexcept nogil:
+    # ways_a * ways_b == nt, choosing the split that wastes least to uneven
+    # shares (ties go to splitting a).
+    cdef Py_ssize_t d
+    cdef double eff, best = -1.0
+    ways_a[0] = nt
+    ways_b[0] = 1
+    for d in range(1, nt + 1):
+        if nt % d == 0:
+            eff = share_efficiency(units_a, nt // d) * share_efficiency(units_b, d)
+            if eff > best + 1e-9:
+                best = eff
+                ways_a[0] = nt // d
+                ways_b[0] = d
 
 
 cdef void pack_b_panel(Py_ssize_t kc, Py_ssize_t nr, const real* b,
@@ -174,7 +210,7 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                        Py_ssize_t jp0, Py_ssize_t jp1,
                        const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                        const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
-                       real alpha, real beta, bint first) noexcept nogil:
+                       real alpha, real beta, bint first, const real* bias) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A is not packed into k-major panels: each
     # element of a row-major A is used only N times, and that transposing
@@ -210,51 +246,28 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
             else:
                 fc_micro_kernel_f64(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
             store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
-                       mr, min(NR, nc - jr), alpha, beta, first)
+                       mr, min(NR, nc - jr), alpha, beta, first,
+                       NULL if bias == NULL else bias + jr)
 
 
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                     const real* b, Py_ssize_t rsb, Py_ssize_t csb,
                     real beta, real* c, Py_ssize_t rsc, Py_ssize_t csc,
-                    int max_threads) noexcept nogil:
-    """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C.  Returns 0, or -1 when out of
-    memory (C is then untouched).  Requires M, N, K >= 1."""
-    cdef Py_ssize_t MR, NR, KC, NC
-    if real is float:
-        MR = S_MR; NR = S_NR; KC = S_KC; NC = S_NC
-    else:
-        MR = D_MR; NR = D_NR; KC = D_KC; NC = D_NC
-
-    # Threads: never more than the work pays for.
-    cdef double flops = 2.0 * M * N * K
-    cdef int nt = max_threads
-    if nt < 1:
-        nt = 1
-    if flops < <double>MIN_FLOPS_PER_THREAD * nt:
-        nt = max(1, <int>(flops / MIN_FLOPS_PER_THREAD))
-
-    cdef Py_ssize_t kc_blk = KC
-    if K > KC:
-        # Equal K blocks avoid a short, inefficient last one.
-        kc_blk = cdiv(K, cdiv(K, KC))
-    cdef Py_ssize_t nc_blk = min(max(NC // NR, 1) * NR, cdiv(N, NR) * NR)
-
-    # One task per thread: the MR panels of A are split n_ic ways and the NR
-    # panels of each B block n_js ways (n_ic * n_js == nt), choosing the split
-    # that wastes least to uneven shares: a short M (M = 49 at the end of a
+                    const real* bias, int max_threads) noexcept nogil:
+    """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C (+ bias[N] broadcast over rows,
+    when not NULL).  Returns 0, or -1 when out of memory (C is then
+    untouched).  Requires M, N, K >= 1."""
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef int nt = threads_for(2.0 * M * N * K, max_threads)
+    cdef Py_ssize_t kc_blk, nc_blk
+    block_sizes(<real>0, K, N, &kc_blk, &nc_blk)
+    # One task per thread: the MR panels of A split n_ic ways and the NR
+    # panels of each B block n_js ways; a short M (M = 49 at the end of a
     # ResNet) is better split along N.
-    cdef Py_ssize_t m_panels = cdiv(M, MR), n_panels_blk = cdiv(nc_blk, NR)
-    cdef Py_ssize_t n_ic = nt, n_js = 1, d
-    cdef double eff, best = -1.0
-    for d in range(1, nt + 1):
-        if nt % d == 0:
-            eff = (share_efficiency(m_panels, nt // d)
-                   * share_efficiency(n_panels_blk, d))
-            if eff > best + 1e-9:
-                best = eff
-                n_ic = nt // d
-                n_js = d
+    cdef Py_ssize_t m_panels = cdiv(M, MR), n_ic, n_js
+    best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
 
     cdef real* bbuf = <real*>aligned_malloc(kc_blk * nc_blk * sizeof(real))
     if bbuf == NULL:
@@ -282,27 +295,34 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     macro_kernel(ic_end - ic, nc, kc,
                                  js * n_panels // n_js, (js + 1) * n_panels // n_js,
                                  a + ic * rsa + pc * csa, rsa, csa, bbuf,
-                                 c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first)
+                                 c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
+                                 NULL if bias == NULL else bias + jc)
     aligned_free(bbuf)
     return 0
 
 
 def gemm(double alpha, const real[:, :] a, const real[:, :] b, double beta,
-         real[:, :] c, int num_threads):
-    """c[...] = alpha * a @ b + beta * c, in place; any strides.
+         real[:, :] c, int num_threads, bias=None):
+    """c[...] = alpha * a @ b + beta * c (+ bias, a contiguous (N,) array,
+    broadcast over rows), in place; any strides.
 
     The facade has checked shapes, dtypes and emptiness (M, N, K >= 1) and
     that c does not overlap a or b.
     """
     cdef Py_ssize_t M = a.shape[0], K = a.shape[1], N = b.shape[1]
     cdef Py_ssize_t item = sizeof(real)
+    cdef const real[::1] bias_view
+    cdef const real* bias_ptr = NULL
+    if bias is not None:
+        bias_view = bias
+        bias_ptr = &bias_view[0]
     cdef int status
     with nogil:
         status = gemm_nogil(M, N, K, <real>alpha,
                             &a[0, 0], a.strides[0] // item, a.strides[1] // item,
                             &b[0, 0], b.strides[0] // item, b.strides[1] // item,
                             <real>beta, &c[0, 0], c.strides[0] // item, c.strides[1] // item,
-                            num_threads)
+                            bias_ptr, num_threads)
     if status != 0:
         raise MemoryError("fastconv gemm: could not allocate packing buffers")
 

@@ -1,0 +1,445 @@
+# Convolution drivers on the GEMM building blocks of gemm_frame.pxi (included
+# before this file by the per-ISA modules).
+#
+# A convolution is a GEMM whose A operand is the patch matrix ("im2col") of
+# the input: row m = (n, oh, ow), column k = (kh, kw, c).  That matrix is
+# KH*KW times the input (882 MiB for VGG16 conv1_2 at batch 8), and writing
+# then re-reading it from memory costs as much as the arithmetic.  So it is
+# never built whole: each task builds a chunk of rows into a per-thread
+# buffer that stays in L2 and multiplies it at once.  Workspace per call is
+# the packed weights plus nt chunks, independent of the batch size.
+#
+# Images are NHWC with any pixel strides but contiguous channels (a channel
+# slice x[..., c0:c1] of a grouped convolution qualifies).
+
+from libc.string cimport memcpy, memset
+from cython.parallel cimport threadid
+
+cdef enum:
+    # Bytes of patch rows per chunk: half of a 1 MiB L2, leaving room for
+    # the B panels streaming through.
+    CHUNK_BYTES = 512 * 1024
+    # dW reduces over chunk rows; a deeper chunk amortises the read-modify-
+    # write of the thread's dW accumulator.
+    GRAD_W_MIN_ROWS = 256
+
+
+cdef struct ConvGeom:
+    Py_ssize_t N, H, W, C        # image, C = channels of one group
+    Py_ssize_t KH, KW
+    Py_ssize_t SH, SW            # stride
+    Py_ssize_t DH, DW            # dilation
+    Py_ssize_t PT, PL            # padding before (top, left); after is implied by OH, OW
+    Py_ssize_t OH, OW
+
+
+cdef struct ImageStrides:
+    Py_ssize_t n, h, w           # in elements; channels are contiguous
+
+
+cdef inline Py_ssize_t patch_cols(const ConvGeom* g) noexcept nogil:
+    return g.KH * g.KW * g.C
+
+
+cdef inline Py_ssize_t patch_ld(real dtype_tag, Py_ssize_t K) noexcept nogil:
+    # Leading dimension of a chunk buffer: K, padded when rows would be a
+    # multiple of 2 KiB apart (they would share L1 sets, see macro_kernel).
+    if (K * <Py_ssize_t>sizeof(real)) % 2048 == 0:
+        return K + A_PANEL_PAD
+    return K
+
+
+cdef inline Py_ssize_t chunk_rows(real dtype_tag, Py_ssize_t K, Py_ssize_t M,
+                                  Py_ssize_t min_rows) noexcept nogil:
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t rows = CHUNK_BYTES // (K * <Py_ssize_t>sizeof(real))
+    rows = max(rows, min_rows)
+    rows = max(MR, rows // MR * MR)
+    return min(rows, cdiv(M, MR) * MR)
+
+
+cdef void im2col_rows(const ConvGeom* g, const real* x, ImageStrides xs,
+                      Py_ssize_t m0, Py_ssize_t m1, real* dst,
+                      Py_ssize_t ldd) noexcept nogil:
+    # Patch rows m0..m1 -> dst (row-major, leading dimension ldd).  Each tap
+    # is one contiguous run of C values; taps in the padding are zero.  When
+    # pixels are dense and dilation is 1, a kernel row inside the image is a
+    # single run of KW*C values (7x7 over RGB: 21 values in one copy, not 7).
+    cdef Py_ssize_t m, n, r, oh, ow, kh, kw, ih, iw, iw0
+    cdef Py_ssize_t ohw = g.OH * g.OW
+    cdef size_t run = g.C * sizeof(real)
+    cdef bint dense_rows = g.DW == 1 and xs.w == g.C
+    cdef real* d
+    cdef const real* xrow
+    for m in range(m0, m1):
+        n = m // ohw
+        r = m - n * ohw
+        oh = r // g.OW
+        ow = r - oh * g.OW
+        d = dst + (m - m0) * ldd
+        iw0 = ow * g.SW - g.PL
+        for kh in range(g.KH):
+            ih = oh * g.SH - g.PT + kh * g.DH
+            if ih < 0 or ih >= g.H:
+                memset(d, 0, g.KW * run)
+                d += g.KW * g.C
+                continue
+            xrow = x + n * xs.n + ih * xs.h
+            if dense_rows and iw0 >= 0 and iw0 + g.KW <= g.W:
+                memcpy(d, xrow + iw0 * xs.w, g.KW * run)
+                d += g.KW * g.C
+                continue
+            for kw in range(g.KW):
+                iw = iw0 + kw * g.DW
+                if iw < 0 or iw >= g.W:
+                    memset(d, 0, run)
+                else:
+                    memcpy(d, xrow + iw * xs.w, run)
+                d += g.C
+
+
+cdef void col2im_rows_add(const ConvGeom* g, const real* src, Py_ssize_t lds,
+                          Py_ssize_t m0, Py_ssize_t m1,
+                          Py_ssize_t ih0, Py_ssize_t ih1,
+                          real* dx, ImageStrides xs) noexcept nogil:
+    # The adjoint of im2col_rows for patch rows m0..m1, restricted to input
+    # rows ih0..ih1: dx[n, ih, iw, :] += every tap that reads it.  Taps in the
+    # padding are dropped.
+    cdef Py_ssize_t m, n, r, oh, ow, kh, kw, ih, iw, c
+    cdef Py_ssize_t ohw = g.OH * g.OW
+    cdef const real* s
+    cdef real* d
+    for m in range(m0, m1):
+        n = m // ohw
+        r = m - n * ohw
+        oh = r // g.OW
+        ow = r - oh * g.OW
+        s = src + (m - m0) * lds
+        for kh in range(g.KH):
+            ih = oh * g.SH - g.PT + kh * g.DH
+            if ih < ih0 or ih >= ih1:
+                s += g.KW * g.C
+                continue
+            for kw in range(g.KW):
+                iw = ow * g.SW - g.PL + kw * g.DW
+                if 0 <= iw < g.W:
+                    d = dx + n * xs.n + ih * xs.h + iw * xs.w
+                    for c in range(g.C):
+                        d[c] += s[c]
+                s += g.C
+
+
+cdef real* pack_b_all(Py_ssize_t K, Py_ssize_t N, const real* b,
+                      Py_ssize_t rsb, Py_ssize_t csb,
+                      Py_ssize_t kc_blk, Py_ssize_t nc_blk, int nt) noexcept nogil:
+    # All of B (K x N), packed once: block (jb, pb) of kc_blk x nc_blk at
+    # offset (jb * n_kb + pb) * kc_blk * nc_blk, its NR panels inside as
+    # pack_b_panel lays them.  NULL when out of memory.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t n_kb = cdiv(K, kc_blk), n_jb = cdiv(N, nc_blk)
+    cdef Py_ssize_t panels_per_blk = nc_blk // NR
+    cdef real* dst = <real*>aligned_malloc(n_jb * n_kb * kc_blk * nc_blk * sizeof(real))
+    if dst == NULL:
+        return NULL
+    cdef Py_ssize_t t, jb, pb, jp, jc, pc, kc, nc
+    for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
+        jb = t // (n_kb * panels_per_blk)
+        pb = (t // panels_per_blk) % n_kb
+        jp = t % panels_per_blk
+        jc = jb * nc_blk + jp * NR
+        pc = pb * kc_blk
+        if jc < N:
+            kc = min(kc_blk, K - pc)
+            pack_b_panel(kc, min(NR, N - jc), b + pc * rsb + jc * csb, rsb, csb,
+                         dst + (jb * n_kb + pb) * kc_blk * nc_blk + jp * NR * kc)
+    return dst
+
+
+cdef void multiply_chunk(Py_ssize_t rows, Py_ssize_t K, Py_ssize_t N,
+                         const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                         const real* bpack, Py_ssize_t kc_blk, Py_ssize_t nc_blk,
+                         Py_ssize_t js, Py_ssize_t n_js,
+                         real* c, Py_ssize_t rsc, real beta,
+                         const real* bias) noexcept nogil:
+    # c[rows, share js of n_js of the columns] = a @ B (+ beta*c, + bias),
+    # one thread, B prepacked by pack_b_all.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t n_kb = cdiv(K, kc_blk)
+    cdef Py_ssize_t jb, pb, jc, pc, nc, kc, n_panels
+    for jb in range(cdiv(N, nc_blk)):
+        jc = jb * nc_blk
+        nc = min(nc_blk, N - jc)
+        n_panels = cdiv(nc, NR)
+        for pb in range(n_kb):
+            pc = pb * kc_blk
+            kc = min(kc_blk, K - pc)
+            macro_kernel(rows, nc, kc, js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                         a + pc * csa, rsa, csa,
+                         bpack + (jb * n_kb + pb) * kc_blk * nc_blk,
+                         c + jc, rsc, 1, 1, beta, pb == 0,
+                         NULL if bias == NULL else bias + jc)
+
+
+cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                            const real* w, Py_ssize_t rsw, Py_ssize_t OC,
+                            const real* bias, real* y, Py_ssize_t rsy,
+                            int max_threads) noexcept nogil:
+    # y[m, oc] = sum_k patches[m, k] * w[oc, k] (+ bias[oc]); w is OHWI
+    # flattened (OC x K, row stride rsw), y row m has stride rsy.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
+    cdef Py_ssize_t kc_blk, nc_blk
+    block_sizes(<real>0, K, OC, &kc_blk, &nc_blk)
+    cdef real* bpack = pack_b_all(K, OC, w, 1, rsw, kc_blk, nc_blk, nt)
+    cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
+    cdef Py_ssize_t ld = patch_ld(<real>0, K)
+    cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
+    if bpack == NULL or bufs == NULL:
+        aligned_free(bpack)
+        aligned_free(bufs)
+        return -1
+    # Chunks of patch rows split across threads, or, when there are too few
+    # (batch 1 at 7x7), the output channels too; then threads build the same
+    # chunk, a small price next to its multiplication.
+    cdef Py_ssize_t n_chunks = cdiv(M, R), n_ic, n_js
+    best_split(n_chunks, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
+    if n_ic < n_chunks:
+        n_ic = n_chunks
+    cdef Py_ssize_t task, m0, m1
+    cdef real* buf
+    for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
+        m0 = (task // n_js) * R
+        m1 = min(M, m0 + R)
+        buf = bufs + threadid() * R * ld
+        im2col_rows(g, x, xs, m0, m1, buf, ld)
+        multiply_chunk(m1 - m0, K, OC, buf, ld, 1, bpack, kc_blk, nc_blk,
+                       task % n_js, n_js, y + m0 * rsy, rsy, 0, bias)
+    aligned_free(bpack)
+    aligned_free(bufs)
+    return 0
+
+
+cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ssize_t j1,
+                            const real* dy, Py_ssize_t rsdy,
+                            const real* patches, Py_ssize_t ld,
+                            real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
+    # acc[:, j0:j1] += dy[0:rows, :]^T @ patches[0:rows, j0:j1]; one thread.
+    # A = dy^T is read through its strides (macro_kernel copies its panels),
+    # B = the patch columns, packed here KC rows at a time.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t ncols = j1 - j0, n_panels = cdiv(j1 - j0, NR)
+    cdef Py_ssize_t pb, pc, kc, jp
+    for pb in range(cdiv(rows, KC)):
+        pc = pb * KC
+        kc = min(KC, rows - pc)
+        for jp in range(n_panels):
+            pack_b_panel(kc, min(NR, ncols - jp * NR), patches + pc * ld + j0 + jp * NR,
+                         ld, 1, bpack + jp * NR * kc)
+        macro_kernel(OC, ncols, kc, 0, n_panels, dy + pc * rsdy, 1, rsdy, bpack,
+                     acc + j0, acc_ld, 1, 1, 1, True, NULL)
+
+
+cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                                const real* dy, Py_ssize_t rsdy, Py_ssize_t OC,
+                                real* dw, Py_ssize_t rsdw,
+                                int max_threads) noexcept nogil:
+    # dw[oc, k] = sum_m dy[m, oc] * patches[m, k], chunk by chunk of patch
+    # rows.  Threads split the chunks, each into its own OC x K accumulator,
+    # summed at the end; when chunks are too few to share (small images,
+    # batch 1), threads split the columns of dw instead and each walks every
+    # chunk.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
+    cdef Py_ssize_t R = chunk_rows(<real>0, K, M, GRAD_W_MIN_ROWS)
+    cdef Py_ssize_t ld = patch_ld(<real>0, K)
+    cdef Py_ssize_t n_chunks = cdiv(M, R)
+    cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(K, NR) * NR
+    cdef bint split_chunks = n_chunks >= 4 * nt
+    cdef Py_ssize_t n_acc = nt if split_chunks else 1
+    cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
+    cdef real* bpacks = <real*>aligned_malloc(nt * bpack_size * sizeof(real))
+    cdef real* accs = <real*>aligned_malloc(n_acc * OC * K * sizeof(real))
+    if bufs == NULL or bpacks == NULL or accs == NULL:
+        aligned_free(bufs)
+        aligned_free(bpacks)
+        aligned_free(accs)
+        return -1
+    memset(accs, 0, n_acc * OC * K * sizeof(real))
+    cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc
+    cdef real* acc
+    if split_chunks:
+        for chunk in prange(n_chunks, num_threads=nt, schedule="dynamic"):
+            tid = threadid()
+            m0 = chunk * R
+            m1 = min(M, m0 + R)
+            im2col_rows(g, x, xs, m0, m1, bufs + tid * R * ld, ld)
+            grad_weight_chunk(m1 - m0, OC, 0, K, dy + m0 * rsdy, rsdy,
+                              bufs + tid * R * ld, ld, bpacks + tid * bpack_size,
+                              accs + tid * OC * K, K)
+    else:
+        for t in prange(nt, num_threads=nt, schedule="static"):
+            # Whole NR panels of dw's columns per thread.
+            j0 = t * cdiv(K, NR) // nt * NR
+            j1 = min(K, (t + 1) * cdiv(K, NR) // nt * NR)
+            if j1 > j0:
+                for chunk in range(n_chunks):
+                    m0 = chunk * R
+                    m1 = min(M, m0 + R)
+                    im2col_rows(g, x, xs, m0, m1, bufs + t * R * ld, ld)
+                    grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy,
+                                      bufs + t * R * ld, ld, bpacks + t * bpack_size,
+                                      accs, K)
+    for oc in prange(OC, num_threads=nt, schedule="static"):
+        for i in range(K):
+            dw[oc * rsdw + i] = accs[oc * K + i]
+        for t in range(1, n_acc):
+            acc = accs + t * OC * K + oc * K
+            for i in range(K):
+                dw[oc * rsdw + i] += acc[i]
+    aligned_free(bufs)
+    aligned_free(bpacks)
+    aligned_free(accs)
+    return 0
+
+
+cdef inline Py_ssize_t floor_div(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    # b > 0; C division truncates toward zero.
+    return a // b if a >= 0 else -((-a + b - 1) // b)
+
+
+cdef inline Py_ssize_t gcd(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsdy,
+                               Py_ssize_t OC, const real* w, Py_ssize_t rsw,
+                               real* dx, ImageStrides xs,
+                               int max_threads) noexcept nogil:
+    # dx += col2im(dy @ w); dx must hold zeros (or what to add to).  Each
+    # task owns a band of input rows of one image and computes, chunk by
+    # chunk, the patch rows whose taps reach its band, adding only into it:
+    # no two threads ever write the same element.  Bands of one image
+    # recompute the (KH-1)*DH/SH patch rows they share.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
+    cdef Py_ssize_t kc_blk, nc_blk
+    block_sizes(<real>0, OC, K, &kc_blk, &nc_blk)
+    cdef real* bpack = pack_b_all(OC, K, w, rsw, 1, kc_blk, nc_blk, nt)
+    cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
+    cdef Py_ssize_t ld = patch_ld(<real>0, K)
+    cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
+    if bpack == NULL or bufs == NULL:
+        aligned_free(bpack)
+        aligned_free(bufs)
+        return -1
+    # Enough bands that the tasks divide evenly among the threads.
+    cdef Py_ssize_t bands = min(g.H, nt // gcd(g.N, nt))
+    cdef Py_ssize_t task, n, ih0, ih1, oh_lo, oh_hi, m_lo, m_hi, m0, m1
+    cdef real* buf
+    for task in prange(g.N * bands, num_threads=nt, schedule="dynamic"):
+        n = task // bands
+        ih0 = (task % bands) * g.H // bands
+        ih1 = (task % bands + 1) * g.H // bands
+        # Output rows oh with a tap ih = oh*SH - PT + kh*DH in [ih0, ih1).
+        oh_lo = max(0, -floor_div(-(ih0 + g.PT - (g.KH - 1) * g.DH), g.SH))
+        oh_hi = min(g.OH, floor_div(ih1 - 1 + g.PT, g.SH) + 1)
+        buf = bufs + threadid() * R * ld
+        m_lo = (n * g.OH + oh_lo) * g.OW
+        m_hi = (n * g.OH + oh_hi) * g.OW
+        m0 = m_lo
+        while m0 < m_hi:
+            m1 = min(m_hi, m0 + R)
+            multiply_chunk(m1 - m0, OC, K, dy + m0 * rsdy, rsdy, 1, bpack,
+                           kc_blk, nc_blk, 0, 1, buf, ld, 0, NULL)
+            col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs)
+            m0 = m1
+    aligned_free(bpack)
+    aligned_free(bufs)
+    return 0
+
+
+cdef ConvGeom make_geom(Py_ssize_t N, Py_ssize_t H, Py_ssize_t W, Py_ssize_t C,
+                       kernel, stride, dilation, pad_before, out_hw) except *:
+    cdef ConvGeom g
+    g.N, g.H, g.W, g.C = N, H, W, C
+    g.KH, g.KW = kernel
+    g.SH, g.SW = stride
+    g.DH, g.DW = dilation
+    g.PT, g.PL = pad_before
+    g.OH, g.OW = out_hw
+    return g
+
+
+cdef inline ImageStrides image_strides(Py_ssize_t sn, Py_ssize_t sh, Py_ssize_t sw,
+                                       Py_ssize_t item) noexcept:
+    cdef ImageStrides s
+    s.n = sn // item
+    s.h = sh // item
+    s.w = sw // item
+    return s
+
+
+# The Python entry points.  The facade (fastconv/conv.py) guarantees
+# non-empty operands, channels contiguous in images, unit column stride of
+# the 2-D operands, and (for grad_input) a zeroed dx.
+
+def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
+                   kernel, stride, dilation, pad_before, out_hw, int num_threads):
+    """y = patches(x) @ w.T (+ bias): x NHWC, w (OC, KH*KW*C), y (N*OH*OW, OC),
+    bias None or a contiguous (OC,) array."""
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, stride, dilation, pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef const real[::1] bias_view
+    cdef const real* bias_ptr = NULL
+    if bias is not None:
+        bias_view = bias
+        bias_ptr = &bias_view[0]
+    cdef int status
+    with nogil:
+        status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
+                                    w.shape[0], bias_ptr, &y[0, 0], y.strides[0] // item,
+                                    num_threads)
+    if status != 0:
+        raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
+
+
+def conv2d_grad_weight(const real[:, :, :, :] x, const real[:, :] dy, real[:, :] dw,
+                       kernel, stride, dilation, pad_before, out_hw, int num_threads):
+    """dw = dy.T @ patches(x): dy (N*OH*OW, OC), dw (OC, KH*KW*C), overwritten."""
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, stride, dilation, pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef int status
+    with nogil:
+        status = conv_grad_weight_nogil(&g, &x[0, 0, 0, 0], xs, &dy[0, 0], dy.strides[0] // item,
+                                        dy.shape[1], &dw[0, 0], dw.strides[0] // item,
+                                        num_threads)
+    if status != 0:
+        raise MemoryError("conv2d_backward: could not allocate the weight-gradient workspace")
+
+
+def conv2d_grad_input(const real[:, :] dy, const real[:, :] w, real[:, :, :, :] dx,
+                      kernel, stride, dilation, pad_before, out_hw, int num_threads):
+    """dx += col2im(dy @ w): dy (N*OH*OW, OC), w (OC, KH*KW*C), dx NHWC."""
+    cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
+                                kernel, stride, dilation, pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
+    cdef int status
+    with nogil:
+        status = conv_grad_input_nogil(&g, &dy[0, 0], dy.strides[0] // item, dy.shape[1],
+                                       &w[0, 0], w.strides[0] // item, &dx[0, 0, 0, 0], xs,
+                                       num_threads)
+    if status != 0:
+        raise MemoryError("conv2d_backward: could not allocate the input-gradient workspace")
