@@ -1,0 +1,451 @@
+"""2-D convolutions as im2col/col2im + GEMM on NHWC images.
+
+Three products make up every call (Cg = C / groups, K = KH*KW*Cg):
+
+* forward      y[pixels, OC]   = patches(x)[pixels, K] @ w2d.T
+* data grad    dx = col2im(dy[pixels, OC] @ w2d)
+* weight grad  dw2d[OC, K]     = dy.T @ patches(x)
+
+where w2d is the (OC, KH, KW, Cg) weight viewed as (OC, K).  A transposed
+convolution is the data gradient of a convolution whose weight has the
+(C_in, KH, KW, C_out/groups) layout of its own weight, so it reuses the same
+three products with the roles swapped.
+
+Grouped convolutions run one GEMM per group on strided views (channel slices
+of x, row blocks of w2d, column blocks of the output).  Patch matrices are
+built for chunks of whole images into one reused buffer of at most
+COLS_BUDGET_BYTES, so memory stays bounded for large batches.
+
+NCHW results are NCHW-shaped views of NHWC memory (PyTorch's channels_last):
+feeding one into the next NCHW call needs no copy.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _args
+from ._kernels import im2col as _kernels
+from ._threads import get_num_threads
+from .gemm import gemm_into
+
+__all__ = ["im2col", "col2im", "conv2d", "conv2d_backward",
+           "conv_transpose2d", "conv_transpose2d_backward"]
+
+#: Upper bound on the patch-matrix buffer (a single image may exceed it).
+#: The GEMM reads each chunk straight after im2col writes it, so a chunk
+#: small enough to stay in L3 is not a round trip to DRAM.
+COLS_BUDGET_BYTES = 8 << 20
+
+
+class _Geometry(NamedTuple):
+    """What the im2col kernels need, in their argument order."""
+    kernel: tuple
+    stride: tuple
+    dilation: tuple
+    pad_before: tuple  # (top, left); bottom/right are implied by out_hw
+    out_hw: tuple
+
+
+# --------------------------------------------------------------- layouts
+
+def _to_nhwc(a, layout):
+    # NCHW -> NHWC, and likewise OIHW -> OHWI for weights.
+    return a if layout == "NHWC" else a.transpose(0, 2, 3, 1)
+
+
+def _from_nhwc(a, layout):
+    return a if layout == "NHWC" else a.transpose(0, 3, 1, 2)
+
+
+def _shape_from_nhwc(shape, layout):
+    return tuple(shape) if layout == "NHWC" else (shape[0], shape[3], shape[1], shape[2])
+
+
+def _channels_last(a):
+    """a with contiguous channels, the one thing the im2col kernels require."""
+    return a if a.strides[3] == a.itemsize else np.ascontiguousarray(a)
+
+
+def _pixel_matrix(a):
+    """NHWC a as its (pixels, channels) matrix: a view when the pixel strides
+    allow one, else a copy."""
+    n, h, w, c = a.shape
+    return a.reshape(n * h * w, c)
+
+
+def _weight_matrix(w):
+    """(O, KH, KW, I) weight as (O, KH*KW*I), copied only if it must be."""
+    return w.reshape(w.shape[0], w.shape[1] * w.shape[2] * w.shape[3])
+
+
+# ------------------------------------------------------- non-zero padding
+
+_NUMPY_PAD_MODE = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def _source_index(size, before, after, mode):
+    """For each row of a padded axis, the input row it is a copy of."""
+    return np.pad(np.arange(size), (before, after), mode=_NUMPY_PAD_MODE[mode])
+
+
+def _pad(x, pads, mode):
+    """NHWC x padded by reflect/replicate/circular (PyTorch semantics).  Zero
+    padding is left to the kernels, which never materialise it."""
+    if mode == "zeros" or pads == ((0, 0), (0, 0)):
+        return x
+    rows = _source_index(x.shape[1], *pads[0], mode)
+    cols = _source_index(x.shape[2], *pads[1], mode)
+    # Indexing the batch axis too makes numpy lay the result out in C order.
+    images = np.arange(x.shape[0])
+    return x[images[:, None, None], rows[None, :, None], cols[None, None, :]]
+
+
+def _unpad(grad, pads, mode, in_hw):
+    """Adjoint of _pad: each padded pixel's gradient is added back onto the
+    input pixel it copied."""
+    if mode == "zeros" or pads == ((0, 0), (0, 0)):
+        return grad
+    (top, bottom), (left, right) = pads
+    H, W = in_hw
+    rows = _source_index(H, top, bottom, mode)
+    folded = grad[:, top:top + H].copy()
+    for p in [*range(top), *range(top + H, len(rows))]:
+        folded[:, rows[p]] += grad[:, p]
+    grad = folded
+    cols = _source_index(W, left, right, mode)
+    folded = grad[:, :, left:left + W].copy()
+    for p in [*range(left), *range(left + W, len(cols))]:
+        folded[:, :, cols[p]] += grad[:, :, p]
+    return folded
+
+
+# ------------------------------------------------------------ the products
+
+def _chunks(n_images, rows_per_image, width, dtype):
+    """Yield (lo, hi, scratch): a range of whole images and a (rows, width)
+    buffer for their patch matrix, the buffer shared by all chunks."""
+    image_bytes = max(1, rows_per_image * width * np.dtype(dtype).itemsize)
+    per_chunk = min(max(1, COLS_BUDGET_BYTES // image_bytes), max(n_images, 1))
+    buffer = np.empty(per_chunk * rows_per_image * width, dtype)
+    for lo in range(0, n_images, per_chunk):
+        hi = min(lo + per_chunk, n_images)
+        rows = (hi - lo) * rows_per_image
+        yield lo, hi, buffer[:rows * width].reshape(rows, width)
+
+
+def _is_pointwise(geo, in_hw):
+    # 1x1, stride 1, no padding: the patch matrix is the image itself.
+    return (geo.kernel == (1, 1) and geo.stride == (1, 1) and geo.pad_before == (0, 0)
+            and geo.out_hw == tuple(in_hw))
+
+
+def _patches(x, geo, scratch):
+    """The patch matrix of NHWC x: a view of x for pointwise kernels, else
+    im2col into scratch."""
+    if _is_pointwise(geo, x.shape[1:3]):
+        return _pixel_matrix(x)
+    _kernels.im2col_into(x, scratch, *geo, get_num_threads())
+    return scratch
+
+
+def _forward(x, w2d, groups, geo):
+    """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg)."""
+    N, _, _, C = x.shape
+    OC, K = w2d.shape
+    Cg, OCg = C // groups, OC // groups
+    OH, OW = geo.out_hw
+    y = np.empty((N, OH, OW, OC), x.dtype)
+    for lo, hi, scratch in _chunks(N, OH * OW, K, x.dtype):
+        y_rows = _pixel_matrix(y[lo:hi])
+        for g in range(groups):
+            oc = slice(g * OCg, (g + 1) * OCg)
+            patches = _patches(x[lo:hi, :, :, g * Cg:(g + 1) * Cg], geo, scratch)
+            gemm_into(1.0, patches, w2d[oc].T, 0.0, y_rows[:, oc])
+    return y
+
+
+def _data_grad(dy, w2d, groups, geo, in_shape):
+    """Gradient (in_shape, NHWC) of _forward's input for output gradient dy."""
+    N, H, W, C = in_shape
+    OC, K = w2d.shape
+    Cg, OCg = C // groups, OC // groups
+    OH, OW = geo.out_hw
+    dx = np.zeros(in_shape, dy.dtype)
+    pointwise = _is_pointwise(geo, (H, W))
+    for lo, hi, scratch in _chunks(N, OH * OW, K, dy.dtype):
+        dy_rows = _pixel_matrix(dy[lo:hi])
+        for g in range(groups):
+            oc = slice(g * OCg, (g + 1) * OCg)
+            dx_group = dx[lo:hi, :, :, g * Cg:(g + 1) * Cg]
+            if pointwise:
+                # col2im would be a plain copy: write the GEMM into dx.
+                gemm_into(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx_group))
+            else:
+                gemm_into(1.0, dy_rows[:, oc], w2d[oc], 0.0, scratch)
+                _kernels.col2im_into(scratch, dx_group, *geo, get_num_threads())
+    return dx
+
+
+def _weight_grad(dy, x, groups, geo):
+    """Gradient (OC, KH*KW*Cg) of _forward's w2d for output gradient dy."""
+    N, _, _, C = x.shape
+    OC = dy.shape[3]
+    Cg, OCg = C // groups, OC // groups
+    KH, KW = geo.kernel
+    OH, OW = geo.out_hw
+    dw = np.zeros((OC, KH * KW * Cg), x.dtype)
+    for lo, hi, scratch in _chunks(N, OH * OW, KH * KW * Cg, x.dtype):
+        dy_rows = _pixel_matrix(dy[lo:hi])
+        beta = 0.0 if lo == 0 else 1.0
+        for g in range(groups):
+            oc = slice(g * OCg, (g + 1) * OCg)
+            patches = _patches(x[lo:hi, :, :, g * Cg:(g + 1) * Cg], geo, scratch)
+            gemm_into(1.0, dy_rows[:, oc].T, patches, beta, dw[oc])
+    return dw
+
+
+def _bias_grad(dy):
+    # Accumulated in float64: a float32 running sum over millions of pixels
+    # would lose several digits.
+    return dy.sum(axis=(0, 1, 2), dtype=np.float64).astype(dy.dtype)
+
+
+# ------------------------------------------------------- argument checking
+
+class _Conv(NamedTuple):
+    x: np.ndarray        # NHWC view of the caller's x
+    weight: np.ndarray   # NHWC view of the caller's weight: (OC, KH, KW, C/groups)
+    geo: _Geometry       # of the convolution of padded_x()
+    pads: tuple
+    padding_mode: str
+    layout: str
+
+    def padded_x(self):
+        """What the kernels convolve: x, explicitly padded unless the
+        padding is zeros, with contiguous channels."""
+        return _channels_last(_pad(self.x, self.pads, self.padding_mode))
+
+    def padded_shape(self):
+        if self.padding_mode == "zeros":
+            return self.x.shape
+        (top, bottom), (left, right) = self.pads
+        N, H, W, C = self.x.shape
+        return (N, H + top + bottom, W + left + right, C)
+
+
+def _check_arrays(x, weight, layout):
+    layout = _args.choice(layout, "layout", _args.LAYOUTS)
+    x = _args.float_array(x, "x", 4)
+    weight = _args.float_array(weight, "weight", 4)
+    _args.same_dtype(weight, "weight", x.dtype)
+    x, weight = _to_nhwc(x, layout), _to_nhwc(weight, layout)
+    if weight.shape[1] < 1 or weight.shape[2] < 1:
+        raise ValueError(f"weight has an empty kernel: shape {weight.shape} in {layout} order")
+    return x, weight, layout
+
+
+def _check_bias(bias, dtype, channels):
+    if bias is None:
+        return None
+    bias = _args.float_array(bias, "bias", 1)
+    _args.same_dtype(bias, "bias", dtype)
+    if bias.shape != (channels,):
+        raise ValueError(f"bias must have shape ({channels},); got {bias.shape}")
+    return bias
+
+
+def _check_grad_output(grad_output, dtype, nhwc_shape, layout):
+    dy = _args.float_array(grad_output, "grad_output", 4)
+    _args.same_dtype(dy, "grad_output", dtype)
+    dy = _to_nhwc(dy, layout)
+    if dy.shape != tuple(nhwc_shape):
+        raise ValueError(f"grad_output must have shape {_shape_from_nhwc(nhwc_shape, layout)}; "
+                         f"got {_shape_from_nhwc(dy.shape, layout)}")
+    return _channels_last(dy)
+
+
+def _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout):
+    x, weight, layout = _check_arrays(x, weight, layout)
+    padding_mode = _args.choice(padding_mode, "padding_mode", _args.PADDING_MODES)
+    groups = _args.positive_int(groups, "groups")
+    stride = _args.positive_pair(stride, "stride")
+    dilation = _args.positive_pair(dilation, "dilation")
+    N, H, W, C = x.shape
+    OC, KH, KW, Cg = weight.shape
+    if C % groups:
+        raise ValueError(f"groups={groups} does not divide the {C} channels of x")
+    if OC % groups:
+        raise ValueError(f"groups={groups} does not divide the {OC} output channels of weight")
+    if Cg != C // groups:
+        raise ValueError(f"weight has {Cg} input channels per group, but x has {C} channels "
+                         f"in {groups} group(s), i.e. {C // groups} per group")
+    pads = _args.conv_padding(padding, (H, W), (KH, KW), stride, dilation)
+    out_hw = _args.conv_output_hw((H, W), (KH, KW), stride, pads, dilation, "weight")
+    pad_before = (pads[0][0], pads[1][0])
+    if padding_mode != "zeros":
+        _args.check_mode_padding(pads, (H, W), padding_mode)
+        pad_before = (0, 0)
+    geo = _Geometry((KH, KW), stride, dilation, pad_before, out_hw)
+    return _Conv(x, weight, geo, pads, padding_mode, layout)
+
+
+class _Transposed(NamedTuple):
+    x: np.ndarray        # NHWC view (only ever a GEMM operand: any strides do)
+    weight: np.ndarray   # (C_in, KH, KW, C_out/groups)
+    geo: _Geometry       # of the convolution whose data gradient this is
+    out_shape: tuple     # NHWC
+    layout: str
+
+
+def _transpose_setup(x, weight, stride, padding, output_padding, groups, dilation, layout):
+    x, weight, layout = _check_arrays(x, weight, layout)
+    groups = _args.positive_int(groups, "groups")
+    stride = _args.positive_pair(stride, "stride")
+    dilation = _args.positive_pair(dilation, "dilation")
+    output_padding = _args.int_pair(output_padding, "output_padding")
+    N, H, W, C = x.shape
+    C_w, KH, KW, OCg = weight.shape
+    if C % groups:
+        raise ValueError(f"groups={groups} does not divide the {C} channels of x")
+    if C_w != C:
+        raise ValueError(f"weight has {C_w} input channels (its first axis), x has {C}")
+    pads = _args.explicit_padding(padding)
+    out_hw = _args.transpose_output_hw((H, W), (KH, KW), stride, pads, dilation, output_padding)
+    # The forward convolution from out_hw yields at least (H, W) patches;
+    # this is the adjoint of its first H x W (the rest see no input).
+    geo = _Geometry((KH, KW), stride, dilation, (pads[0][0], pads[1][0]), (H, W))
+    return _Transposed(x, weight, geo, (N, *out_hw, OCg * groups), layout)
+
+
+# ------------------------------------------------------------- public API
+
+def im2col(x, kernel_size, stride=1, padding=0, dilation=1):
+    """Patch matrix of an NHWC image batch.
+
+    Returns the (N*OH*OW, KH*KW*C) matrix whose row (n, oh, ow) holds the
+    input pixels under the kernel placed at output pixel (oh, ow), in
+    (kh, kw, c) order, zero where the kernel overlaps the padding.  padding
+    takes conv2d's forms (int, pair, per-side pairs, "valid", "same").
+    """
+    x = _channels_last(_args.float_array(x, "x", 4))
+    kernel = _args.positive_pair(kernel_size, "kernel_size")
+    stride = _args.positive_pair(stride, "stride")
+    dilation = _args.positive_pair(dilation, "dilation")
+    N, H, W, C = x.shape
+    pads = _args.conv_padding(padding, (H, W), kernel, stride, dilation)
+    out_hw = _args.conv_output_hw((H, W), kernel, stride, pads, dilation, "kernel_size")
+    geo = _Geometry(kernel, stride, dilation, (pads[0][0], pads[1][0]), out_hw)
+    cols = np.empty((N * out_hw[0] * out_hw[1], kernel[0] * kernel[1] * C), x.dtype)
+    _kernels.im2col_into(x, cols, *geo, get_num_threads())
+    return cols
+
+
+def col2im(cols, input_shape, kernel_size, stride=1, padding=0, dilation=1):
+    """Adjoint of :func:`im2col`: an NHWC array of input_shape (N, H, W, C)
+    where every entry of cols is added onto the pixel it was copied from
+    (overlapping taps sum, taps in the padding are dropped)."""
+    cols = _args.float_array(cols, "cols", 2)
+    N, H, W, C = _args.shape4(input_shape, "input_shape")
+    kernel = _args.positive_pair(kernel_size, "kernel_size")
+    stride = _args.positive_pair(stride, "stride")
+    dilation = _args.positive_pair(dilation, "dilation")
+    pads = _args.conv_padding(padding, (H, W), kernel, stride, dilation)
+    out_hw = _args.conv_output_hw((H, W), kernel, stride, pads, dilation, "kernel_size")
+    expected = (N * out_hw[0] * out_hw[1], kernel[0] * kernel[1] * C)
+    if cols.shape != expected:
+        raise ValueError(f"cols must have shape {expected} for input_shape {(N, H, W, C)}; "
+                         f"got {cols.shape}")
+    cols = np.ascontiguousarray(cols)
+    out = np.zeros((N, H, W, C), cols.dtype)
+    geo = _Geometry(kernel, stride, dilation, (pads[0][0], pads[1][0]), out_hw)
+    _kernels.col2im_into(cols, out, *geo, get_num_threads())
+    return out
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
+           padding_mode="zeros", layout="NHWC"):
+    """2-D convolution (cross-correlation), torch.nn.functional.conv2d semantics.
+
+    layout="NHWC": x (N, H, W, C), weight (OC, KH, KW, C/groups), result
+    (N, OH, OW, OC).  layout="NCHW": x (N, C, H, W), weight (OC, C/groups,
+    KH, KW) as in PyTorch, result (N, OC, OH, OW) (a view of NHWC memory).
+
+    stride, dilation: int or (h, w).  padding: int, (ph, pw),
+    ((top, bottom), (left, right)), "valid", or "same" (TensorFlow/ONNX
+    SAME_UPPER: OH = ceil(H / stride), the odd pixel at the bottom/right).
+    padding_mode: "zeros", "reflect", "replicate" or "circular".
+    x, weight and bias must share one dtype, float32 or float64.
+    """
+    c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
+    bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
+    y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo)
+    if bias is not None:
+        y += bias
+    return _from_nhwc(y, c.layout)
+
+
+def conv2d_backward(grad_output, x, weight, stride=1, padding=0, dilation=1, groups=1, *,
+                    padding_mode="zeros", layout="NHWC", output_mask=(True, True, True)):
+    """Gradients of :func:`conv2d`: (grad_input, grad_weight, grad_bias), each
+    None where output_mask is false, in the layout of x and weight.
+
+    grad_output has conv2d's output shape.  Inputs that no kernel tap reads
+    (skipped by the stride) get zero; with reflect/replicate/circular padding
+    the gradient of each padded pixel is added back onto its source pixel.
+    """
+    c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
+    want_input, want_weight, want_bias = _args.output_mask(output_mask)
+    OC = c.weight.shape[0]
+    dy = _check_grad_output(grad_output, c.x.dtype, (c.x.shape[0], *c.geo.out_hw, OC), c.layout)
+    grad_input = grad_weight = grad_bias = None
+    if want_input:
+        grad_padded = _data_grad(dy, _weight_matrix(c.weight), groups, c.geo, c.padded_shape())
+        grad_input = _from_nhwc(_unpad(grad_padded, c.pads, c.padding_mode, c.x.shape[1:3]),
+                                c.layout)
+    if want_weight:
+        grad_weight = _weight_grad(dy, c.padded_x(), groups, c.geo).reshape(c.weight.shape)
+        grad_weight = _from_nhwc(grad_weight, c.layout)
+    if want_bias:
+        grad_bias = _bias_grad(dy)
+    return grad_input, grad_weight, grad_bias
+
+
+def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1,
+                     dilation=1, *, layout="NHWC"):
+    """2-D transposed convolution, torch.nn.functional.conv_transpose2d
+    semantics (note the argument order: groups before dilation).
+
+    layout="NHWC": x (N, H, W, C_in), weight (C_in, KH, KW, C_out/groups),
+    result (N, OH, OW, C_out).  layout="NCHW": x (N, C_in, H, W), weight
+    (C_in, C_out/groups, KH, KW) as in PyTorch, result (N, C_out, OH, OW).
+    OH = (H-1)*stride - top - bottom + dilation*(KH-1) + output_padding + 1.
+
+    padding: int, (ph, pw) or ((top, bottom), (left, right)), cropped from
+    the full output.  output_padding (int or pair) extends the bottom/right
+    and must be smaller than max(stride, dilation) on each axis.
+    """
+    t = _transpose_setup(x, weight, stride, padding, output_padding, groups, dilation, layout)
+    bias = _check_bias(bias, t.x.dtype, t.out_shape[3])
+    y = _data_grad(t.x, _weight_matrix(t.weight), groups, t.geo, t.out_shape)
+    if bias is not None:
+        y += bias
+    return _from_nhwc(y, t.layout)
+
+
+def conv_transpose2d_backward(grad_output, x, weight, stride=1, padding=0, output_padding=0,
+                              groups=1, dilation=1, *, layout="NHWC",
+                              output_mask=(True, True, True)):
+    """Gradients of :func:`conv_transpose2d`: (grad_input, grad_weight,
+    grad_bias), each None where output_mask is false."""
+    t = _transpose_setup(x, weight, stride, padding, output_padding, groups, dilation, layout)
+    want_input, want_weight, want_bias = _args.output_mask(output_mask)
+    dy = _check_grad_output(grad_output, t.x.dtype, t.out_shape, t.layout)
+    grad_input = grad_weight = grad_bias = None
+    if want_input:
+        grad_input = _from_nhwc(_forward(dy, _weight_matrix(t.weight), groups, t.geo), t.layout)
+    if want_weight:
+        grad_weight = _weight_grad(t.x, dy, groups, t.geo).reshape(t.weight.shape)
+        grad_weight = _from_nhwc(grad_weight, t.layout)
+    if want_bias:
+        grad_bias = _bias_grad(dy)
+    return grad_input, grad_weight, grad_bias

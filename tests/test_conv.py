@@ -1,0 +1,704 @@
+"""conv2d / conv_transpose2d and their backward passes against PyTorch (a
+seeded randomized sweep), central differences, a naive loop reference, edge
+shapes and every error path."""
+import math
+import random
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastconv
+import fastconv.conv
+from fastconv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
+
+LAYOUTS = ("NHWC", "NCHW")
+DTYPES = (np.float64, np.float32)
+MODES = ("zeros", "reflect", "replicate", "circular")
+PADDING_FORMS = ("int", "pair", "sides", "valid", "same")
+# How the arrays handed to fastconv are laid out in memory.
+MEMORY = ("contiguous", "strided", "permuted")
+
+
+# ----------------------------------------------------------------- helpers
+
+def explicit_pads(padding, hw, kernel, stride, dilation):
+    """((top, bottom), (left, right)) for every padding form, computed
+    independently of fastconv._args ("same" is SAME_UPPER)."""
+    if padding == "valid":
+        return ((0, 0), (0, 0))
+    if padding == "same":
+        pads = []
+        for n, k, s, d in zip(hw, kernel, stride, dilation):
+            total = max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads.append((total // 2, total - total // 2))
+        return tuple(pads)
+    if isinstance(padding, int):
+        return ((padding, padding), (padding, padding))
+    if isinstance(padding[0], int):
+        return ((padding[0],) * 2, (padding[1],) * 2)
+    return tuple(tuple(p) for p in padding)
+
+
+def random_padding(form, rng):
+    return {"int": rng.randint(0, 3),
+            "pair": (rng.randint(0, 3), rng.randint(0, 3)),
+            "sides": ((rng.randint(0, 3), rng.randint(0, 3)),
+                      (rng.randint(0, 3), rng.randint(0, 3))),
+            "valid": "valid", "same": "same"}[form]
+
+
+def in_memory(a, memory):
+    """a's values in the given memory layout (never a contiguous ndarray
+    unless memory == "contiguous")."""
+    if memory == "contiguous":
+        return np.ascontiguousarray(a)
+    if memory == "strided":
+        # Every other row of a NaN-filled buffer, the last axis but one
+        # reversed: any read outside the view would poison the result.
+        big = np.full((a.shape[0], 2 * a.shape[1], *a.shape[2:]), np.nan, a.dtype)
+        big[:, ::2] = a[:, :, ::-1]
+        return big[:, ::2, ::-1]
+    # Axes 1 and 3 swap places in memory: channel-major for NHWC arrays,
+    # channels-last for NCHW ones.
+    return np.ascontiguousarray(a.transpose(0, 3, 2, 1)).transpose(0, 3, 2, 1)
+
+
+def to_torch(a, layout):
+    """float64 NCHW tensor of an array in the given layout."""
+    a = np.array(a, dtype=np.float64)
+    return torch.from_numpy(np.ascontiguousarray(a if layout == "NCHW"
+                                                 else a.transpose(0, 3, 1, 2)))
+
+
+def from_torch(t, layout):
+    a = t.detach().numpy()
+    return a if layout == "NCHW" else a.transpose(0, 2, 3, 1)
+
+
+def assert_close(actual, expected, dtype, reduction, what):
+    """float64 to 1e-10 of max |expected|; float32 to 1e-6*sqrt(reduction
+    length), the growth of a float32 sum's rounding error."""
+    assert actual.dtype == dtype, what
+    assert actual.shape == expected.shape, what
+    if expected.size == 0:
+        return
+    rtol = 1e-10 if dtype == np.float64 else 1e-6 * math.sqrt(max(reduction, 1))
+    scale = max(np.abs(expected).max(), 1e-300)
+    err = np.abs(actual.astype(np.float64) - expected).max()
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:.3g} * {scale:.3g}"
+
+
+def shaped(nhwc, layout):
+    n, h, w, c = nhwc
+    return nhwc if layout == "NHWC" else (n, c, h, w)
+
+
+# -------------------------------------------------------------- the sweep
+
+class ConvCase(NamedTuple):
+    layout: str
+    dtype: type
+    padding: object
+    padding_mode: str
+    memory: str
+    N: int
+    H: int
+    W: int
+    C: int
+    OC: int
+    groups: int
+    kernel: tuple
+    stride: tuple
+    dilation: tuple
+    bias: bool
+    small_chunks: bool
+    seed: int
+
+    def __str__(self):
+        return (f"{self.layout}-{np.dtype(self.dtype).name}-p{self.padding}-{self.padding_mode}-"
+                f"{self.memory}-{self.N}x{self.H}x{self.W}x{self.C}-oc{self.OC}-g{self.groups}-"
+                f"k{self.kernel}-s{self.stride}-d{self.dilation}"
+                f"{'-bias' if self.bias else ''}{'-chunked' if self.small_chunks else ''}"
+                ).replace(" ", "").replace("'", "")
+
+
+def random_channels(rng):
+    """(C, OC, groups): dense, grouped or depthwise (with multiplier)."""
+    kind = rng.choice(("dense", "dense", "grouped", "depthwise"))
+    if kind == "dense":
+        return rng.randint(1, 8), rng.randint(1, 8), 1
+    groups = rng.randint(2, 4) if kind == "grouped" else rng.randint(2, 8)
+    cg = rng.randint(1, 3) if kind == "grouped" else 1
+    return groups * cg, groups * rng.randint(1, 3), groups
+
+
+def conv2d_cases(count, seed):
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        i = len(cases)
+        # Categorical options cycle with coprime periods so that every
+        # combination of padding form, mode and layout occurs.
+        form, mode = PADDING_FORMS[i % 5], MODES[(i // 10) % 4]
+        layout, dtype, memory = LAYOUTS[i % 2], DTYPES[(i // 2) % 2], MEMORY[i % 3]
+        C, OC, groups = random_channels(rng)
+        kernel = (rng.choice((1, 1, 2, 3, 3, 5, 7)), rng.choice((1, 2, 3, 3, 5, 7)))
+        if rng.random() < 0.15:
+            kernel = (kernel[0],) * 2
+        stride = (rng.randint(1, 3), rng.randint(1, 3))
+        dilation = (rng.choice((1, 1, 2, 3)), rng.choice((1, 1, 2, 3)))
+        padding = random_padding(form, rng)
+        H, W = rng.randint(1, 15), rng.randint(1, 15)
+        pads = explicit_pads(padding, (H, W), kernel, stride, dilation)
+        if any(n + lo + hi < (k - 1) * d + 1
+               for n, (lo, hi), k, d in zip((H, W), pads, kernel, dilation)):
+            continue
+        if mode == "reflect" and any(max(p) >= n for p, n in zip(pads, (H, W))):
+            continue
+        if mode == "circular" and any(max(p) > n for p, n in zip(pads, (H, W))):
+            continue
+        cases.append(ConvCase(layout, dtype, padding, mode, memory, rng.choice((1, 1, 2, 3)),
+                              H, W, C, OC, groups, kernel, stride, dilation,
+                              rng.random() < 0.7, i % 9 == 4, rng.randrange(2**32)))
+    return cases
+
+
+class TransposeCase(NamedTuple):
+    layout: str
+    dtype: type
+    padding: object
+    output_padding: tuple
+    memory: str
+    N: int
+    H: int
+    W: int
+    C: int
+    OC: int
+    groups: int
+    kernel: tuple
+    stride: tuple
+    dilation: tuple
+    bias: bool
+    small_chunks: bool
+    seed: int
+
+    def __str__(self):
+        return (f"{self.layout}-{np.dtype(self.dtype).name}-p{self.padding}-"
+                f"op{self.output_padding}-{self.memory}-{self.N}x{self.H}x{self.W}x{self.C}-"
+                f"oc{self.OC}-g{self.groups}-k{self.kernel}-s{self.stride}-d{self.dilation}"
+                f"{'-bias' if self.bias else ''}{'-chunked' if self.small_chunks else ''}"
+                ).replace(" ", "").replace("'", "")
+
+
+def conv_transpose2d_cases(count, seed):
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        i = len(cases)
+        form = ("int", "pair", "sides")[i % 3]
+        layout, dtype, memory = LAYOUTS[i % 2], DTYPES[(i // 2) % 2], MEMORY[(i // 4) % 3]
+        C, OC, groups = random_channels(rng)
+        kernel = (rng.choice((1, 2, 3, 3, 5, 7)), rng.choice((1, 2, 3, 4, 5)))
+        stride = (rng.randint(1, 3), rng.randint(1, 3))
+        dilation = (rng.choice((1, 1, 2, 3)), rng.choice((1, 1, 2, 3)))
+        output_padding = tuple(rng.randrange(max(s, d)) for s, d in zip(stride, dilation))
+        padding = random_padding(form, rng)
+        H, W = rng.randint(1, 9), rng.randint(1, 9)
+        pads = explicit_pads(padding, (H, W), kernel, stride, dilation)
+        if any((n - 1) * s - lo - hi + (k - 1) * d + op + 1 < 1 for n, s, (lo, hi), k, d, op
+               in zip((H, W), stride, pads, kernel, dilation, output_padding)):
+            continue
+        cases.append(TransposeCase(layout, dtype, padding, output_padding, memory,
+                                   rng.choice((1, 1, 2, 3)), H, W, C, OC, groups, kernel, stride,
+                                   dilation, rng.random() < 0.7, i % 7 == 3, rng.randrange(2**32)))
+    return cases
+
+
+CONV2D_CASES = conv2d_cases(200, seed=3)
+TRANSPOSE_CASES = conv_transpose2d_cases(90, seed=4)
+
+
+def torch_conv2d(x, w, b, stride, pads, dilation, groups, mode):
+    """PyTorch reference with explicit (possibly asymmetric) padding."""
+    (top, bottom), (left, right) = pads
+    if mode == "zeros" and top == bottom and left == right:
+        return F.conv2d(x, w, b, stride, (top, left), dilation, groups)
+    x = F.pad(x, (left, right, top, bottom), mode="constant" if mode == "zeros" else mode)
+    return F.conv2d(x, w, b, stride, 0, dilation, groups)
+
+
+def torch_conv_transpose2d(x, w, b, stride, pads, output_padding, groups, dilation):
+    """PyTorch reference; asymmetric padding crops the unpadded result."""
+    (top, bottom), (left, right) = pads
+    if top == bottom and left == right:
+        return F.conv_transpose2d(x, w, b, stride, (top, left), output_padding, groups, dilation)
+    full = F.conv_transpose2d(x, w, None, stride, 0, 0, groups, dilation)
+    full = F.pad(full, (0, output_padding[1], 0, output_padding[0]))
+    y = full[:, :, top:full.shape[2] - bottom, left:full.shape[3] - right]
+    return y if b is None else y + b[:, None, None]
+
+
+def check_inputs_untouched(pairs):
+    for given, original in pairs:
+        np.testing.assert_array_equal(given, original)
+
+
+@pytest.mark.parametrize("case", CONV2D_CASES, ids=str)
+def test_conv2d_and_backward_match_torch(case, monkeypatch):
+    if case.small_chunks:
+        monkeypatch.setattr(fastconv.conv, "COLS_BUDGET_BYTES", 1)  # one image per chunk
+    c = case
+    rng = np.random.default_rng(c.seed)
+    x = rng.standard_normal(shaped((c.N, c.H, c.W, c.C), c.layout)).astype(c.dtype)
+    w_ohwi = rng.standard_normal((c.OC, *c.kernel, c.C // c.groups)).astype(c.dtype)
+    w = w_ohwi if c.layout == "NHWC" else w_ohwi.transpose(0, 3, 1, 2)
+    b = rng.standard_normal(c.OC).astype(c.dtype) if c.bias else None
+    pads = explicit_pads(c.padding, (c.H, c.W), c.kernel, c.stride, c.dilation)
+
+    xt, wt = to_torch(x, c.layout).requires_grad_(), torch.from_numpy(
+        np.array(w_ohwi.transpose(0, 3, 1, 2), np.float64)).requires_grad_()
+    bt = torch.from_numpy(b.astype(np.float64)).requires_grad_() if c.bias else None
+    ref = torch_conv2d(xt, wt, bt, c.stride, pads, c.dilation, c.groups, c.padding_mode)
+    dy = rng.standard_normal(from_torch(ref, c.layout).shape).astype(c.dtype)
+    ref.backward(to_torch(dy, c.layout))
+
+    x_in, w_in, dy_in = in_memory(x, c.memory), in_memory(w, c.memory), in_memory(dy, c.memory)
+    kwargs = dict(stride=c.stride, padding=c.padding, dilation=c.dilation, groups=c.groups,
+                  padding_mode=c.padding_mode, layout=c.layout)
+    y = conv2d(x_in, w_in, b, **kwargs)
+    gx, gw, gb = conv2d_backward(dy_in, x_in, w_in, **kwargs)
+    check_inputs_untouched([(x_in, x), (w_in, w), (dy_in, dy)])
+
+    K = c.kernel[0] * c.kernel[1] * c.C // c.groups
+    pixels = dy.size // c.OC
+    assert_close(y, from_torch(ref, c.layout), c.dtype, K, "output")
+    assert_close(gx, from_torch(xt.grad, c.layout), c.dtype, K * c.OC, "grad_input")
+    w_grad = wt.grad.numpy().transpose(0, 2, 3, 1)
+    assert_close(gw, w_grad if c.layout == "NHWC" else w_grad.transpose(0, 3, 1, 2),
+                 c.dtype, pixels, "grad_weight")
+    expected_gb = bt.grad.numpy() if c.bias else dy.astype(np.float64).sum(
+        axis=(0, 1, 2) if c.layout == "NHWC" else (0, 2, 3))
+    assert_close(gb, expected_gb, c.dtype, pixels, "grad_bias")
+
+
+@pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=str)
+def test_conv_transpose2d_and_backward_match_torch(case, monkeypatch):
+    if case.small_chunks:
+        monkeypatch.setattr(fastconv.conv, "COLS_BUDGET_BYTES", 1)
+    c = case
+    rng = np.random.default_rng(c.seed)
+    x = rng.standard_normal(shaped((c.N, c.H, c.W, c.C), c.layout)).astype(c.dtype)
+    # (C_in, C_out/groups, KH, KW) in PyTorch; (C_in, KH, KW, C_out/groups) for NHWC.
+    w_torch = rng.standard_normal((c.C, c.OC // c.groups, *c.kernel)).astype(c.dtype)
+    w = w_torch if c.layout == "NCHW" else w_torch.transpose(0, 2, 3, 1)
+    b = rng.standard_normal(c.OC).astype(c.dtype) if c.bias else None
+    pads = explicit_pads(c.padding, (c.H, c.W), c.kernel, c.stride, c.dilation)
+
+    xt = to_torch(x, c.layout).requires_grad_()
+    wt = torch.from_numpy(w_torch.astype(np.float64)).requires_grad_()
+    bt = torch.from_numpy(b.astype(np.float64)).requires_grad_() if c.bias else None
+    ref = torch_conv_transpose2d(xt, wt, bt, c.stride, pads, c.output_padding, c.groups,
+                                 c.dilation)
+    dy = rng.standard_normal(from_torch(ref, c.layout).shape).astype(c.dtype)
+    ref.backward(to_torch(dy, c.layout))
+
+    x_in, w_in, dy_in = in_memory(x, c.memory), in_memory(w, c.memory), in_memory(dy, c.memory)
+    kwargs = dict(stride=c.stride, padding=c.padding, output_padding=c.output_padding,
+                  groups=c.groups, dilation=c.dilation, layout=c.layout)
+    y = conv_transpose2d(x_in, w_in, b, **kwargs)
+    gx, gw, gb = conv_transpose2d_backward(dy_in, x_in, w_in, **kwargs)
+    check_inputs_untouched([(x_in, x), (w_in, w), (dy_in, dy)])
+
+    taps = c.kernel[0] * c.kernel[1]
+    assert_close(y, from_torch(ref, c.layout), c.dtype, taps * c.C // c.groups, "output")
+    assert_close(gx, from_torch(xt.grad, c.layout), c.dtype, taps * c.OC // c.groups,
+                 "grad_input")
+    w_grad = wt.grad.numpy()
+    assert_close(gw, w_grad if c.layout == "NCHW" else w_grad.transpose(0, 2, 3, 1),
+                 c.dtype, x.size // c.C, "grad_weight")
+    assert_close(gb, dy.astype(np.float64).sum(axis=(0, 1, 2) if c.layout == "NHWC" else (0, 2, 3)),
+                 c.dtype, dy.size // c.OC, "grad_bias")
+
+
+def test_sweep_covers_the_feature_matrix():
+    cases = CONV2D_CASES
+    assert {(c.padding if isinstance(c.padding, str) else type(c.padding).__name__,
+             c.padding_mode, c.layout) for c in cases} >= {
+        (p, m, lay) for p in ("valid", "same", "int") for m in MODES for lay in LAYOUTS}
+    assert {k for c in cases for k in c.kernel} >= {1, 7}
+    assert {(1, 1), (7, 7)} <= {c.kernel for c in cases}
+    assert {s for c in cases for s in c.stride} == {1, 2, 3}
+    assert {d for c in cases for d in c.dilation} == {1, 2, 3}
+    assert any(c.groups == c.C > 1 for c in cases) and any(1 < c.groups < c.C for c in cases)
+    assert {c.N for c in cases} >= {1, 2} and {False, True} == {c.bias for c in cases}
+    assert set(MEMORY) == {c.memory for c in cases} == {c.memory for c in TRANSPOSE_CASES}
+    assert any(c.small_chunks and c.N > 1 for c in cases)
+    assert any(c.small_chunks and c.N > 1 for c in TRANSPOSE_CASES)
+    assert any(op > s for c in TRANSPOSE_CASES for op, s in zip(c.output_padding, c.stride))
+    assert any(isinstance(c.padding[0], tuple) and c.padding[0][0] != c.padding[0][1]
+               for c in TRANSPOSE_CASES if isinstance(c.padding, tuple))
+
+
+# ------------------------------------------------------------ "same" padding
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, harmless
+@pytest.mark.parametrize("H, k, s, d", [(1, 1, 1, 1), (7, 3, 1, 1), (8, 4, 1, 1), (9, 3, 2, 1),
+                                         (10, 5, 3, 1), (11, 3, 2, 2), (5, 7, 4, 1), (6, 2, 2, 3)])
+def test_same_padding_is_same_upper(H, k, s, d):
+    rng = np.random.default_rng(H * 1000 + k * 100 + s * 10 + d)
+    x = rng.standard_normal((2, H, H + 1, 3))
+    w = rng.standard_normal((4, k, k, 3))
+    y = conv2d(x, w, stride=s, dilation=d, padding="same")
+    assert y.shape == (2, -(-H // s), -(-(H + 1) // s), 4)
+    # SAME_UPPER: the odd pixel of padding goes to the bottom/right.
+    (top, bottom), (left, right) = explicit_pads("same", (H, H + 1), (k, k), (s, s), (d, d))
+    assert 0 <= bottom - top <= 1 and 0 <= right - left <= 1
+    ref = F.conv2d(F.pad(to_torch(x, "NHWC"), (left, right, top, bottom)),
+                   torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), stride=s, dilation=d)
+    assert_close(y, from_torch(ref, "NHWC"), np.float64, 1, "same")
+    if s == 1:
+        torch_same = F.conv2d(to_torch(x, "NHWC"), torch.from_numpy(w.transpose(0, 3, 1, 2).copy()),
+                              padding="same", dilation=d)
+        assert_close(y, from_torch(torch_same, "NHWC"), np.float64, 1, "torch same")
+
+
+# --------------------------------------------- independent of PyTorch
+
+def naive_conv2d(x, w, b, stride, pads, dilation, groups):
+    """Seven nested loops over NHWC x and (OC, KH, KW, Cg) w, in float64."""
+    N, H, W, C = x.shape
+    OC, KH, KW, Cg = w.shape
+    (sh, sw), (dh, dw), ((top, bottom), (left, right)) = stride, dilation, pads
+    OH = (H + top + bottom - (KH - 1) * dh - 1) // sh + 1
+    OW = (W + left + right - (KW - 1) * dw - 1) // sw + 1
+    OCg = OC // groups
+    y = np.zeros((N, OH, OW, OC))
+    for n in range(N):
+        for oh in range(OH):
+            for ow in range(OW):
+                for oc in range(OC):
+                    acc = 0.0 if b is None else b[oc]
+                    g = oc // OCg
+                    for kh in range(KH):
+                        for kw in range(KW):
+                            for ci in range(Cg):
+                                ih = oh * sh - top + kh * dh
+                                iw = ow * sw - left + kw * dw
+                                if 0 <= ih < H and 0 <= iw < W:
+                                    acc += x[n, ih, iw, g * Cg + ci] * w[oc, kh, kw, ci]
+                    y[n, oh, ow, oc] = acc
+    return y
+
+
+@pytest.mark.parametrize("shape, oc, kernel, stride, padding, dilation, groups", [
+    ((2, 6, 5, 4), 4, (3, 3), (1, 1), 1, (1, 1), 1),
+    ((1, 7, 8, 4), 6, (2, 3), (2, 3), ((2, 0), (1, 2)), (1, 1), 2),
+    ((2, 9, 7, 3), 3, (3, 2), (1, 2), (0, 1), (2, 3), 3),
+    ((1, 5, 6, 2), 5, (1, 1), (3, 2), 0, (1, 1), 1),
+    ((1, 4, 4, 2), 2, (4, 4), (1, 1), "same", (1, 1), 1),
+])
+def test_conv2d_matches_naive_loops(shape, oc, kernel, stride, padding, dilation, groups):
+    rng = np.random.default_rng(sum(shape) + oc)
+    x = rng.standard_normal(shape)
+    w = rng.standard_normal((oc, *kernel, shape[3] // groups))
+    b = rng.standard_normal(oc)
+    pads = explicit_pads(padding, shape[1:3], kernel, stride, dilation)
+    ref = naive_conv2d(x, w, b, stride, pads, dilation, groups)
+    y = conv2d(x, w, b, stride, padding, dilation, groups)
+    assert_close(y, ref, np.float64, 1, "naive")
+    y32 = conv2d(x.astype(np.float32), w.astype(np.float32), b.astype(np.float32),
+                 stride, padding, dilation, groups)
+    assert_close(y32, ref, np.float32, w[0].size, "naive float32")
+
+
+def central_difference(f, a, h=1e-3):
+    """Gradient of the scalar f at a, one central difference per entry (f
+    is linear in each argument, so only rounding limits the accuracy)."""
+    grad = np.zeros_like(a)
+    for i in np.ndindex(a.shape):
+        orig = a[i]
+        a[i] = orig + h
+        plus = f()
+        a[i] = orig - h
+        minus = f()
+        a[i] = orig
+        grad[i] = (plus - minus) / (2 * h)
+    return grad
+
+
+@pytest.mark.parametrize("mode, groups, stride, padding, dilation, layout", [
+    ("zeros", 1, 2, 1, 1, "NHWC"),
+    ("zeros", 2, (1, 2), ((2, 0), (0, 1)), (2, 1), "NCHW"),
+    ("reflect", 1, 1, (2, 1), 1, "NHWC"),
+    ("reflect", 2, 2, "same", 1, "NCHW"),
+    ("replicate", 4, 1, ((3, 0), (1, 4)), 1, "NHWC"),
+    ("replicate", 1, (2, 1), 2, (1, 2), "NCHW"),
+    ("circular", 2, 1, (1, 2), 1, "NHWC"),
+    ("circular", 1, 3, ((0, 4), (4, 1)), 1, "NCHW"),
+])
+def test_conv2d_backward_matches_central_differences(mode, groups, stride, padding, dilation,
+                                                     layout):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shaped((2, 5, 4, 4), layout))
+    w_shape = (4, 3, 2, 4 // groups)
+    w = rng.standard_normal(w_shape if layout == "NHWC" else (4, 4 // groups, 3, 2))
+    b = rng.standard_normal(4)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
+                  padding_mode=mode, layout=layout)
+    dy = rng.standard_normal(conv2d(x, w, b, **kwargs).shape)
+
+    def loss():
+        return np.vdot(conv2d(x, w, b, **kwargs), dy)
+
+    gx, gw, gb = conv2d_backward(dy, x, w, **kwargs)
+    for name, analytic, array in (("x", gx, x), ("weight", gw, w), ("bias", gb, b)):
+        numeric = central_difference(loss, array)
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-7, atol=1e-8, err_msg=name)
+
+
+def test_conv_transpose2d_backward_matches_central_differences():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 4, 4))
+    w = rng.standard_normal((4, 3, 2, 3))  # (C_in, KH, KW, C_out/groups)
+    b = rng.standard_normal(6)
+    kwargs = dict(stride=(2, 1), padding=((1, 0), (0, 2)), output_padding=(1, 1), groups=2,
+                  dilation=(1, 2))
+    dy = rng.standard_normal(conv_transpose2d(x, w, b, **kwargs).shape)
+
+    def loss():
+        return np.vdot(conv_transpose2d(x, w, b, **kwargs), dy)
+
+    gx, gw, gb = conv_transpose2d_backward(dy, x, w, **kwargs)
+    for name, analytic, array in (("x", gx, x), ("weight", gw, w), ("bias", gb, b)):
+        np.testing.assert_allclose(analytic, central_difference(loss, array),
+                                   rtol=1e-7, atol=1e-8, err_msg=name)
+
+
+def test_conv_transpose2d_is_the_adjoint_of_conv2d():
+    # <conv2d(u), v> == <u, conv_transpose2d(v)> with the same weight.
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((6, 3, 2, 2))  # conv2d OHWI == conv_transpose2d (C_in, KH, KW, C_out/g)
+    u = rng.standard_normal((2, 9, 8, 4))
+    kwargs = dict(stride=(2, 3), padding=(1, 2), dilation=(2, 1), groups=2)
+    cu = conv2d(u, w, **kwargs)
+    v = rng.standard_normal(cu.shape)
+    # output_padding restores the input rows the stride dropped.
+    op = tuple(n + 2 * p - (k - 1) * d - 1 - (o - 1) * s for n, p, k, d, o, s in
+               zip((9, 8), (1, 2), (3, 2), (2, 1), cu.shape[1:3], (2, 3)))
+    tv = conv_transpose2d(v, w, output_padding=op, **kwargs)
+    assert tv.shape == u.shape
+    assert abs(np.vdot(cu, v) - np.vdot(u, tv)) < 1e-10 * np.abs(cu).sum()
+
+
+# -------------------------------------------------------------- edge shapes
+
+def torch_grads(x, w, b, dy, **kwargs):
+    """NHWC float64 PyTorch output and gradients of a zero-padded conv2d."""
+    xt = to_torch(x, "NHWC").requires_grad_()
+    wt = torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2), np.float64))
+    wt.requires_grad_()
+    bt = torch.from_numpy(b.astype(np.float64)).requires_grad_()
+    y = F.conv2d(xt, wt, bt, **kwargs)
+    y.backward(to_torch(dy, "NHWC"))
+    return (from_torch(y, "NHWC"), from_torch(xt.grad, "NHWC"),
+            wt.grad.numpy().transpose(0, 2, 3, 1), bt.grad.numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    ((2, 1, 1, 3), (4, 1, 1, 3), {}),                                        # 1x1 on 1x1
+    ((3, 13, 7, 5), (11, 3, 5, 5), dict(stride=(2, 3), padding=(1, 2))),     # primes
+    ((2, 3, 3, 1024), (8, 2, 2, 1024), dict(padding=1)),                     # huge C
+    ((1, 2, 2, 1024), (1024, 3, 3, 1), dict(padding=1, groups=1024)),        # huge depthwise
+    ((2, 11, 10, 3), (4, 2, 2, 3), dict(stride=3)),                          # stride > kernel
+    ((2, 40, 36, 16), (16, 3, 3, 16), dict(padding=1)),                      # threaded kernels
+    ((2, 17, 15, 8), (12, 1, 1, 8), {}),                                     # pointwise
+    ((2, 17, 15, 8), (12, 1, 1, 4), dict(groups=2)),                         # grouped pointwise
+])
+def test_edge_shapes_match_torch(x_shape, w_shape, kwargs, dtype):
+    rng = np.random.default_rng(x_shape[3] + w_shape[0])
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    y = conv2d(x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    gx, gw, gb = conv2d_backward(dy, x, w, **kwargs)
+    ref_y, ref_gx, ref_gw, ref_gb = torch_grads(x, w, b, dy, **kwargs)
+    K = w[0].size
+    assert_close(y, ref_y, dtype, K, "output")
+    assert_close(gx, ref_gx, dtype, K * w.shape[0], "grad_input")
+    assert_close(gw, ref_gw, dtype, dy.size // dy.shape[3], "grad_weight")
+    assert_close(gb, ref_gb, dtype, dy.size // dy.shape[3], "grad_bias")
+
+
+def test_stride_larger_than_kernel_leaves_skipped_inputs_with_zero_gradient():
+    x = np.ones((1, 7, 7, 2))
+    w = np.ones((3, 2, 2, 2))
+    dy = np.ones((1, 2, 2, 3))
+    gx, _, _ = conv2d_backward(dy, x, w, stride=3)
+    read = np.zeros((7, 7), bool)
+    for r in (0, 1, 3, 4):
+        for c in (0, 1, 3, 4):
+            read[r, c] = True
+    assert np.all(gx[0][read] == 3) and np.all(gx[0][~read] == 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_empty_batch(layout):
+    x = np.zeros(shaped((0, 6, 5, 4), layout), np.float32)
+    w = np.ones((6, 3, 3, 2) if layout == "NHWC" else (6, 2, 3, 3), np.float32)
+    y = conv2d(x, w, np.ones(6, np.float32), padding=1, groups=2, layout=layout)
+    assert y.shape == shaped((0, 6, 5, 6), layout) and y.dtype == np.float32
+    gx, gw, gb = conv2d_backward(y, x, w, padding=1, groups=2, layout=layout)
+    assert gx.shape == x.shape and gw.shape == w.shape and gb.shape == (6,)
+    assert not gw.any() and not gb.any()
+
+    wt = np.ones((4, 3, 3, 3) if layout == "NHWC" else (4, 3, 3, 3), np.float32)
+    y = conv_transpose2d(x, wt, stride=2, layout=layout)
+    assert y.shape == shaped((0, 13, 11, 3), layout)
+    gx, gw, gb = conv_transpose2d_backward(y, x, wt, stride=2, layout=layout)
+    assert gx.shape == x.shape and gw.shape == wt.shape and not gw.any() and not gb.any()
+
+
+def test_output_mask_and_threads():
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 20, 20, 8))
+    w = rng.standard_normal((8, 3, 3, 8))
+    dy = rng.standard_normal((2, 20, 20, 8))
+    full = conv2d_backward(dy, x, w, padding=1)
+    masked = conv2d_backward(dy, x, w, padding=1, output_mask=(True, False, False))
+    assert masked[1:] == (None, None)
+    np.testing.assert_array_equal(masked[0], full[0])
+    gx, gw, gb = conv2d_backward(dy, x, w, padding=1, output_mask=(False, True, True))
+    assert gx is None
+    np.testing.assert_array_equal(gw, full[1])
+    assert conv_transpose2d_backward(dy, x, w, padding=1, output_mask=[0, 0, 1])[:2] == (None, None)
+    previous = fastconv.get_num_threads()
+    fastconv.set_num_threads(1)
+    try:
+        single = conv2d_backward(dy, x, w, padding=1)
+    finally:
+        fastconv.set_num_threads(previous)
+    for a, b in zip(single, full):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_nchw_results_chain_without_copies():
+    # NCHW results are views of NHWC memory; fed back in, they need no copy.
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 8, 8))
+    w1, w2 = rng.standard_normal((5, 3, 3, 3)), rng.standard_normal((4, 5, 3, 3))
+    y = conv2d(conv2d(x, w1, padding=1, layout="NCHW"), w2, layout="NCHW")
+    ref = F.conv2d(F.conv2d(torch.from_numpy(x), torch.from_numpy(w1), padding=1),
+                   torch.from_numpy(w2))
+    assert_close(y, ref.numpy(), np.float64, 45, "chained")
+
+
+def test_strided_inputs_are_read_in_place(monkeypatch):
+    # Pixel-strided NHWC views, and NCHW views of NHWC memory (what NCHW
+    # calls return), reach the kernels without a copy.
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 18, 9, 6))[:, ::2, ::-1]
+    w = rng.standard_normal((4, 3, 3, 3))
+    w_nchw = rng.standard_normal((5, 4, 3, 3))
+    y = conv2d(np.ascontiguousarray(x), w, padding=1, groups=2)
+    z = conv2d(np.ascontiguousarray(y.transpose(0, 3, 1, 2)), w_nchw, layout="NCHW")
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("unexpected copy")
+
+    monkeypatch.setattr(np, "ascontiguousarray", no_copies)
+    np.testing.assert_array_equal(conv2d(x, w, padding=1, groups=2), y)
+    np.testing.assert_array_equal(conv2d(y.transpose(0, 3, 1, 2), w_nchw, layout="NCHW"), z)
+
+
+def test_misaligned_and_odd_stride_inputs():
+    # A packed structured array's float field: 9-byte strides, misaligned.
+    rng = np.random.default_rng(13)
+    packed = np.zeros((2, 6, 5, 3), dtype=[("tag", "u1"), ("value", "<f8")])
+    packed["value"] = rng.standard_normal(packed.shape)
+    x = packed["value"]
+    assert x.strides[3] == 9 and not x.flags.aligned
+    w = rng.standard_normal((4, 3, 3, 3))
+    np.testing.assert_array_equal(conv2d(x, w, padding=1), conv2d(x.copy(), w, padding=1))
+    np.testing.assert_array_equal(fastconv.im2col(x, 3), fastconv.im2col(x.copy(), 3))
+
+
+# --------------------------------------------------------------- errors
+
+X = np.zeros((1, 5, 5, 4))
+W = np.zeros((6, 3, 3, 4))
+WT = np.zeros((4, 3, 3, 2))  # conv_transpose2d: (C_in, KH, KW, C_out/groups)
+DY = np.zeros((1, 3, 3, 6))
+
+
+@pytest.mark.parametrize("call, exc, name", [
+    # shapes and channels
+    (lambda: conv2d(X[0], W), ValueError, "x"),
+    (lambda: conv2d(X, W[0]), ValueError, "weight"),
+    (lambda: conv2d(X, np.zeros((6, 3, 3, 3))), ValueError, "weight"),
+    (lambda: conv2d(X, np.zeros((6, 3, 3, 4)), layout="NCHW"), ValueError, "weight"),
+    (lambda: conv2d(X, np.zeros((6, 0, 3, 4))), ValueError, "weight"),
+    (lambda: conv2d(X, np.zeros((6, 3, 3, 1)), groups=3), ValueError, "groups"),
+    (lambda: conv2d(X, np.zeros((5, 3, 3, 2)), groups=2), ValueError, "groups"),
+    (lambda: conv2d(X, W, groups=0), ValueError, "groups"),
+    (lambda: conv2d(X, W, groups=1.0), TypeError, "groups"),
+    (lambda: conv2d(X, W, np.zeros(5)), ValueError, "bias"),
+    (lambda: conv2d(X, W, np.zeros((6, 1))), ValueError, "bias"),
+    # geometry
+    (lambda: conv2d(X, W, stride=0), ValueError, "stride"),
+    (lambda: conv2d(X, W, stride=(1, -2)), ValueError, "stride"),
+    (lambda: conv2d(X, W, stride=(1, 2, 3)), ValueError, "stride"),
+    (lambda: conv2d(X, W, stride="1"), TypeError, "stride"),
+    (lambda: conv2d(X, W, dilation=0), ValueError, "dilation"),
+    (lambda: conv2d(X, W, padding=-1), ValueError, "padding"),
+    (lambda: conv2d(X, W, padding=((0, -1), (0, 0))), ValueError, "padding"),
+    (lambda: conv2d(X, W, padding=(1, 2, 3)), ValueError, "padding"),
+    (lambda: conv2d(X, W, padding="full"), ValueError, "padding"),
+    (lambda: conv2d(X, W, padding=1.5), TypeError, "padding"),
+    (lambda: conv2d(X, W, padding_mode="mirror"), ValueError, "padding_mode"),
+    (lambda: conv2d(X, W, padding_mode=None), ValueError, "padding_mode"),
+    (lambda: conv2d(X, W, layout="NWHC"), ValueError, "layout"),
+    (lambda: conv2d(X, W, dilation=3), ValueError, "weight"),
+    (lambda: conv2d(X, np.zeros((6, 7, 1, 4)), padding=(0, 1)), ValueError, "weight"),
+    (lambda: conv2d(X, W, padding=5, padding_mode="reflect"), ValueError, "padding"),
+    (lambda: conv2d(X, W, padding=6, padding_mode="circular"), ValueError, "padding"),
+    # dtypes
+    (lambda: conv2d(X.astype(np.int64), W), TypeError, "x"),
+    (lambda: conv2d(X.astype(np.float16), W.astype(np.float16)), TypeError, "x"),
+    (lambda: conv2d(X.astype(np.complex128), W), TypeError, "x"),
+    (lambda: conv2d(X, W.astype(np.float32)), TypeError, "weight"),
+    (lambda: conv2d(X, W.astype(np.int32)), TypeError, "weight"),
+    (lambda: conv2d(X, W, np.zeros(6, np.float32)), TypeError, "bias"),
+    # backward
+    (lambda: conv2d_backward(DY[:, :2], X, W), ValueError, "grad_output"),
+    (lambda: conv2d_backward(DY[0], X, W), ValueError, "grad_output"),
+    (lambda: conv2d_backward(DY.astype(np.float32), X, W), TypeError, "grad_output"),
+    (lambda: conv2d_backward(DY, X, W, output_mask=(True, True)), ValueError, "output_mask"),
+    (lambda: conv2d_backward(DY, X, W, stride=0), ValueError, "stride"),
+    (lambda: conv2d_backward(DY, X, W, layout="nhwc"), ValueError, "layout"),
+    # transposed
+    (lambda: conv_transpose2d(X, WT, output_padding=1), ValueError, "output_padding"),
+    (lambda: conv_transpose2d(X, WT, stride=2, output_padding=(0, 2)), ValueError,
+     "output_padding"),
+    (lambda: conv_transpose2d(X, WT, stride=2, output_padding=-1), ValueError, "output_padding"),
+    (lambda: conv_transpose2d(X, WT, dilation=2, output_padding=2), ValueError, "output_padding"),
+    (lambda: conv_transpose2d(X, np.zeros((3, 3, 3, 2))), ValueError, "weight"),
+    (lambda: conv_transpose2d(X, WT, groups=3), ValueError, "groups"),
+    (lambda: conv_transpose2d(X, WT, padding="same"), ValueError, "padding"),
+    (lambda: conv_transpose2d(X, WT, padding=5), ValueError, "padding"),
+    (lambda: conv_transpose2d(X, WT, padding=-1), ValueError, "padding"),
+    (lambda: conv_transpose2d(X, WT, np.zeros(3)), ValueError, "bias"),
+    (lambda: conv_transpose2d(X, WT.astype(np.float32)), TypeError, "weight"),
+    (lambda: conv_transpose2d(X, WT, layout="CHWN"), ValueError, "layout"),
+    (lambda: conv_transpose2d_backward(np.zeros((1, 7, 7, 3)), X, WT), ValueError,
+     "grad_output"),
+    (lambda: conv_transpose2d_backward(np.zeros((1, 7, 7, 2), np.float32), X, WT), TypeError,
+     "grad_output"),
+])
+def test_errors_name_the_argument(call, exc, name):
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        call()
