@@ -69,7 +69,6 @@ def ext(name, source, isa="baseline"):
 
 extensions = [ext("_runtime", "_runtime.pyx")]
 extensions += [ext(f"gemm_{isa}", f"gemm_{isa}.pyx", isa) for isa in ISA_FLAGS]
-extensions += [ext("im2col", "im2col.pyx")]
 
 
 class BuildExt(build_ext):

@@ -1,20 +1,21 @@
-"""2-D convolutions as im2col/col2im + GEMM on NHWC images.
+"""2-D convolutions on NHWC images: the facade over the fused kernels of
+fastconv/_kernels/conv_frame.pxi.
 
 Three products make up every call (Cg = C / groups, K = KH*KW*Cg):
 
-* forward      y[pixels, OC]   = patches(x)[pixels, K] @ w2d.T
+* forward      y[pixels, OC]   = patches(x)[pixels, K] @ w2d.T (+ bias)
 * data grad    dx = col2im(dy[pixels, OC] @ w2d)
 * weight grad  dw2d[OC, K]     = dy.T @ patches(x)
 
-where w2d is the (OC, KH, KW, Cg) weight viewed as (OC, K).  A transposed
-convolution is the data gradient of a convolution whose weight has the
-(C_in, KH, KW, C_out/groups) layout of its own weight, so it reuses the same
-three products with the roles swapped.
+where w2d is the (OC, KH, KW, Cg) weight viewed as (OC, K).  The kernels
+never build the whole patch matrix: they build and multiply it a chunk of
+rows at a time in per-thread buffers.  A transposed convolution is the data
+gradient of a convolution whose weight has the (C_in, KH, KW, C_out/groups)
+layout of its own weight, so it reuses the same three products with the
+roles swapped.
 
-Grouped convolutions run one GEMM per group on strided views (channel slices
-of x, row blocks of w2d, column blocks of the output).  Patch matrices are
-built for chunks of whole images into one reused buffer of at most
-COLS_BUDGET_BYTES, so memory stays bounded for large batches.
+Grouped convolutions run one kernel call per group on strided views
+(channel slices of x, row blocks of w2d, column blocks of the output).
 
 NCHW results are NCHW-shaped views of NHWC memory (PyTorch's channels_last):
 feeding one into the next NCHW call needs no copy.
@@ -23,19 +24,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _args
-from ._kernels import im2col as _kernels
+from . import _args, _dispatch
 from ._threads import get_num_threads
-from .gemm import gemm_into
 
 __all__ = ["im2col", "col2im", "conv2d", "conv2d_backward",
            "conv_transpose2d", "conv_transpose2d_backward"]
-
-#: Upper bound on the patch-matrix buffer (a single image may exceed it).
-#: The GEMM reads each chunk straight after im2col writes it, so a chunk
-#: small enough to stay in L3 is not a round trip to DRAM.
-COLS_BUDGET_BYTES = 8 << 20
-
 
 class _Geometry(NamedTuple):
     """What the im2col kernels need, in their argument order."""
@@ -66,6 +59,12 @@ def _channels_last(a):
     return a if a.strides[3] == a.itemsize else np.ascontiguousarray(a)
 
 
+def _unit_columns(m):
+    """2-D m with contiguous rows, which the conv kernels require; the GEMM
+    kernel reads any strides, but these products stream whole rows."""
+    return m if m.shape[1] <= 1 or m.strides[1] == m.itemsize else np.ascontiguousarray(m)
+
+
 def _pixel_matrix(a):
     """NHWC a as its (pixels, channels) matrix: a view when the pixel strides
     allow one, else a copy."""
@@ -74,8 +73,9 @@ def _pixel_matrix(a):
 
 
 def _weight_matrix(w):
-    """(O, KH, KW, I) weight as (O, KH*KW*I), copied only if it must be."""
-    return w.reshape(w.shape[0], w.shape[1] * w.shape[2] * w.shape[3])
+    """(O, KH, KW, I) weight as (O, KH*KW*I) with contiguous rows, copied
+    only if it must be."""
+    return _unit_columns(w.reshape(w.shape[0], w.shape[1] * w.shape[2] * w.shape[3]))
 
 
 # ------------------------------------------------------- non-zero padding
@@ -121,86 +121,76 @@ def _unpad(grad, pads, mode, in_hw):
 
 # ------------------------------------------------------------ the products
 
-def _chunks(n_images, rows_per_image, width, dtype):
-    """Yield (lo, hi, scratch): a range of whole images and a (rows, width)
-    buffer for their patch matrix, the buffer shared by all chunks."""
-    image_bytes = max(1, rows_per_image * width * np.dtype(dtype).itemsize)
-    per_chunk = min(max(1, COLS_BUDGET_BYTES // image_bytes), max(n_images, 1))
-    buffer = np.empty(per_chunk * rows_per_image * width, dtype)
-    for lo in range(0, n_images, per_chunk):
-        hi = min(lo + per_chunk, n_images)
-        rows = (hi - lo) * rows_per_image
-        yield lo, hi, buffer[:rows * width].reshape(rows, width)
-
-
 def _is_pointwise(geo, in_hw):
     # 1x1, stride 1, no padding: the patch matrix is the image itself.
     return (geo.kernel == (1, 1) and geo.stride == (1, 1) and geo.pad_before == (0, 0)
             and geo.out_hw == tuple(in_hw))
 
 
-def _patches(x, geo, scratch):
-    """The patch matrix of NHWC x: a view of x for pointwise kernels, else
-    im2col into scratch."""
-    if _is_pointwise(geo, x.shape[1:3]):
-        return _pixel_matrix(x)
-    _kernels.im2col_into(x, scratch, *geo, get_num_threads())
-    return scratch
+def _group_slices(groups, C, OC):
+    Cg, OCg = C // groups, OC // groups
+    return [(slice(g * Cg, (g + 1) * Cg), slice(g * OCg, (g + 1) * OCg)) for g in range(groups)]
 
 
-def _forward(x, w2d, groups, geo):
-    """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg)."""
+def _forward(x, w2d, groups, geo, bias=None):
+    """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
-    Cg, OCg = C // groups, OC // groups
     OH, OW = geo.out_hw
     y = np.empty((N, OH, OW, OC), x.dtype)
-    for lo, hi, scratch in _chunks(N, OH * OW, K, x.dtype):
-        y_rows = _pixel_matrix(y[lo:hi])
-        for g in range(groups):
-            oc = slice(g * OCg, (g + 1) * OCg)
-            patches = _patches(x[lo:hi, :, :, g * Cg:(g + 1) * Cg], geo, scratch)
-            gemm_into(1.0, patches, w2d[oc].T, 0.0, y_rows[:, oc])
+    if y.size == 0:
+        return y
+    if x.size == 0:
+        # No input pixel (every tap is padding) or no input channel.
+        y[...] = 0 if bias is None else bias
+        return y
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    y_rows = _pixel_matrix(y)
+    pointwise = _is_pointwise(geo, x.shape[1:3])
+    for c, oc in _group_slices(groups, C, OC):
+        b = None if bias is None else bias[oc]
+        if pointwise:
+            kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, 0.0, y_rows[:, oc], nt, b)
+        else:
+            kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt)
     return y
 
 
 def _data_grad(dy, w2d, groups, geo, in_shape):
     """Gradient (in_shape, NHWC) of _forward's input for output gradient dy."""
-    N, H, W, C = in_shape
-    OC, K = w2d.shape
-    Cg, OCg = C // groups, OC // groups
-    OH, OW = geo.out_hw
+    C = in_shape[3]
+    OC = w2d.shape[0]
     dx = np.zeros(in_shape, dy.dtype)
-    pointwise = _is_pointwise(geo, (H, W))
-    for lo, hi, scratch in _chunks(N, OH * OW, K, dy.dtype):
-        dy_rows = _pixel_matrix(dy[lo:hi])
-        for g in range(groups):
-            oc = slice(g * OCg, (g + 1) * OCg)
-            dx_group = dx[lo:hi, :, :, g * Cg:(g + 1) * Cg]
-            if pointwise:
-                # col2im would be a plain copy: write the GEMM into dx.
-                gemm_into(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx_group))
-            else:
-                gemm_into(1.0, dy_rows[:, oc], w2d[oc], 0.0, scratch)
-                _kernels.col2im_into(scratch, dx_group, *geo, get_num_threads())
+    if dx.size == 0 or dy.size == 0:
+        return dx
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    dy_rows = _unit_columns(_pixel_matrix(dy))
+    pointwise = _is_pointwise(geo, in_shape[1:3])
+    for c, oc in _group_slices(groups, C, OC):
+        if pointwise:
+            # col2im would be a plain copy: write the GEMM into dx.
+            kernels.gemm(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx[..., c]), nt)
+        else:
+            kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt)
     return dx
 
 
 def _weight_grad(dy, x, groups, geo):
     """Gradient (OC, KH*KW*Cg) of _forward's w2d for output gradient dy."""
-    N, _, _, C = x.shape
+    C = x.shape[3]
     OC = dy.shape[3]
-    Cg, OCg = C // groups, OC // groups
     KH, KW = geo.kernel
-    OH, OW = geo.out_hw
-    dw = np.zeros((OC, KH * KW * Cg), x.dtype)
-    for lo, hi, scratch in _chunks(N, OH * OW, KH * KW * Cg, x.dtype):
-        dy_rows = _pixel_matrix(dy[lo:hi])
-        beta = 0.0 if lo == 0 else 1.0
-        for g in range(groups):
-            oc = slice(g * OCg, (g + 1) * OCg)
-            patches = _patches(x[lo:hi, :, :, g * Cg:(g + 1) * Cg], geo, scratch)
-            gemm_into(1.0, dy_rows[:, oc].T, patches, beta, dw[oc])
+    dw = np.zeros((OC, KH * KW * (C // groups)), x.dtype)
+    if dw.size == 0 or dy.size == 0 or x.size == 0:
+        return dw
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    dy_rows = _unit_columns(_pixel_matrix(dy))
+    pointwise = _is_pointwise(geo, x.shape[1:3])
+    for c, oc in _group_slices(groups, C, OC):
+        if pointwise:
+            kernels.gemm(1.0, dy_rows[:, oc].T, _pixel_matrix(x[..., c]), 0.0, dw[oc], nt)
+        else:
+            kernels.conv2d_grad_weight(x[..., c], dy_rows[:, oc], dw[oc], *geo, nt)
     return dw
 
 
@@ -336,7 +326,12 @@ def im2col(x, kernel_size, stride=1, padding=0, dilation=1):
     out_hw = _args.conv_output_hw((H, W), kernel, stride, pads, dilation, "kernel_size")
     geo = _Geometry(kernel, stride, dilation, (pads[0][0], pads[1][0]), out_hw)
     cols = np.empty((N * out_hw[0] * out_hw[1], kernel[0] * kernel[1] * C), x.dtype)
-    _kernels.im2col_into(x, cols, *geo, get_num_threads())
+    if cols.size == 0:
+        return cols
+    if x.size == 0:
+        cols[...] = 0  # every tap is padding
+        return cols
+    _dispatch.kernels.im2col(x, cols, *geo, get_num_threads())
     return cols
 
 
@@ -357,8 +352,10 @@ def col2im(cols, input_shape, kernel_size, stride=1, padding=0, dilation=1):
                          f"got {cols.shape}")
     cols = np.ascontiguousarray(cols)
     out = np.zeros((N, H, W, C), cols.dtype)
+    if out.size == 0 or cols.size == 0:
+        return out
     geo = _Geometry(kernel, stride, dilation, (pads[0][0], pads[1][0]), out_hw)
-    _kernels.col2im_into(cols, out, *geo, get_num_threads())
+    _dispatch.kernels.col2im(cols, out, *geo, get_num_threads())
     return out
 
 
@@ -378,9 +375,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     """
     c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
     bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
-    y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo)
-    if bias is not None:
-        y += bias
+    y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias)
     return _from_nhwc(y, c.layout)
 
 

@@ -241,15 +241,23 @@ def torch_conv_transpose2d(x, w, b, stride, pads, output_padding, groups, dilati
     return y if b is None else y + b[:, None, None]
 
 
+def one_panel_chunks(request):
+    """Make the kernels build patch rows one micro-panel per chunk for this
+    test, so that small images cross every chunk and band boundary."""
+    kernels = fastconv._dispatch.kernels
+    previous = kernels.set_chunk_bytes(1)
+    request.addfinalizer(lambda: kernels.set_chunk_bytes(previous))
+
+
 def check_inputs_untouched(pairs):
     for given, original in pairs:
         np.testing.assert_array_equal(given, original)
 
 
 @pytest.mark.parametrize("case", CONV2D_CASES, ids=str)
-def test_conv2d_and_backward_match_torch(case, monkeypatch):
+def test_conv2d_and_backward_match_torch(case, request):
     if case.small_chunks:
-        monkeypatch.setattr(fastconv.conv, "COLS_BUDGET_BYTES", 1)  # one image per chunk
+        one_panel_chunks(request)
     c = case
     rng = np.random.default_rng(c.seed)
     x = rng.standard_normal(shaped((c.N, c.H, c.W, c.C), c.layout)).astype(c.dtype)
@@ -285,9 +293,9 @@ def test_conv2d_and_backward_match_torch(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=str)
-def test_conv_transpose2d_and_backward_match_torch(case, monkeypatch):
+def test_conv_transpose2d_and_backward_match_torch(case, request):
     if case.small_chunks:
-        monkeypatch.setattr(fastconv.conv, "COLS_BUDGET_BYTES", 1)
+        one_panel_chunks(request)
     c = case
     rng = np.random.default_rng(c.seed)
     x = rng.standard_normal(shaped((c.N, c.H, c.W, c.C), c.layout)).astype(c.dtype)
@@ -702,3 +710,32 @@ DY = np.zeros((1, 3, 3, 6))
 def test_errors_name_the_argument(call, exc, name):
     with pytest.raises(exc, match=rf"^{name}\b"):
         call()
+
+
+# --------------------------------------------------------------- threading
+
+@pytest.mark.parametrize("x_shape, kwargs", [
+    ((2, 40, 36, 16), dict(padding=1)),                 # one task per image
+    ((1, 23, 19, 8), dict(padding=2, dilation=2)),      # bands within one image
+    ((3, 17, 16, 8), dict(stride=2, padding=1)),        # bands, odd batch
+])
+def test_threads_give_identical_results(x_shape, kwargs, request):
+    """Forward and grad_input partition their writes, so 2 threads must
+    reproduce 1 thread bit for bit, run after run (a data race shows up as
+    an occasional mismatch).  grad_weight sums per-thread partials: close."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((12, 3, 3, x_shape[3])).astype(np.float32)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(1)
+    y1 = conv2d(x, w, **kwargs)
+    dy = rng.standard_normal(y1.shape).astype(np.float32)
+    gx1, gw1, _ = conv2d_backward(dy, x, w, **kwargs)
+    fastconv.set_num_threads(2)
+    for _ in range(20):
+        y2 = conv2d(x, w, **kwargs)
+        gx2, gw2, _ = conv2d_backward(dy, x, w, **kwargs)
+        np.testing.assert_array_equal(y2, y1)
+        np.testing.assert_array_equal(gx2, gx1)
+        np.testing.assert_allclose(gw2, gw1, rtol=1e-5, atol=1e-4)

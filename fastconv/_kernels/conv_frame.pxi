@@ -15,13 +15,31 @@
 from libc.string cimport memcpy, memset
 from cython.parallel cimport threadid
 
+# Bytes of patch rows per chunk: half of a 1 MiB L2, leaving room for the B
+# panels streaming through.  A variable so that tests can shrink it to one
+# micro-panel and drive every chunking path with small images.
+cdef Py_ssize_t chunk_bytes = 512 * 1024
+
+
+def set_chunk_bytes(Py_ssize_t nbytes):
+    """Set the patch-chunk budget (tests only: not thread-safe); returns the
+    previous value."""
+    global chunk_bytes
+    previous = chunk_bytes
+    chunk_bytes = max(1, nbytes)
+    return previous
+
+
 cdef enum:
-    # Bytes of patch rows per chunk: half of a 1 MiB L2, leaving room for
-    # the B panels streaming through.
-    CHUNK_BYTES = 512 * 1024
     # dW reduces over chunk rows; a deeper chunk amortises the read-modify-
     # write of the thread's dW accumulator.
     GRAD_W_MIN_ROWS = 256
+    # A test-sized chunk budget below this also lifts the GRAD_W_MIN_ROWS
+    # floor.
+    CHUNK_BYTES_FLOOR = 65536
+    # Below this many elements per thread, waking a team for a memory-bound
+    # copy costs more than the extra bandwidth brings.
+    COPY_ELEMENTS_PER_THREAD = 65536
 
 
 cdef struct ConvGeom:
@@ -52,8 +70,9 @@ cdef inline Py_ssize_t patch_ld(real dtype_tag, Py_ssize_t K) noexcept nogil:
 cdef inline Py_ssize_t chunk_rows(real dtype_tag, Py_ssize_t K, Py_ssize_t M,
                                   Py_ssize_t min_rows) noexcept nogil:
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
-    cdef Py_ssize_t rows = CHUNK_BYTES // (K * <Py_ssize_t>sizeof(real))
-    rows = max(rows, min_rows)
+    cdef Py_ssize_t rows = chunk_bytes // (K * <Py_ssize_t>sizeof(real))
+    if chunk_bytes >= CHUNK_BYTES_FLOOR:
+        rows = max(rows, min_rows)
     rows = max(MR, rows // MR * MR)
     return min(rows, cdiv(M, MR) * MR)
 
@@ -318,6 +337,29 @@ cdef inline Py_ssize_t gcd(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return a
 
 
+cdef struct RowRange:
+    Py_ssize_t lo, hi
+
+
+cdef inline RowRange band_patch_rows(const ConvGeom* g, Py_ssize_t n, Py_ssize_t ih0,
+                                     Py_ssize_t ih1) noexcept nogil:
+    # The patch rows of image n with a tap in input rows ih0..ih1: output
+    # rows oh with oh*SH - PT + kh*DH in [ih0, ih1) for some kh.  (Returned
+    # by value: a prange body must assign its private variables itself.)
+    cdef Py_ssize_t oh_lo = max(0, -floor_div(-(ih0 + g.PT - (g.KH - 1) * g.DH), g.SH))
+    cdef Py_ssize_t oh_hi = min(g.OH, floor_div(ih1 - 1 + g.PT, g.SH) + 1)
+    cdef RowRange r
+    r.lo = (n * g.OH + oh_lo) * g.OW
+    r.hi = (n * g.OH + max(oh_lo, oh_hi)) * g.OW
+    return r
+
+
+cdef inline Py_ssize_t bands_per_image(const ConvGeom* g, int nt) noexcept nogil:
+    # Enough input-row bands that N * bands tasks divide evenly among the
+    # threads.
+    return max(1, min(g.H, nt // gcd(g.N, nt)))
+
+
 cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsdy,
                                Py_ssize_t OC, const real* w, Py_ssize_t rsw,
                                real* dx, ImageStrides xs,
@@ -340,23 +382,19 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
         aligned_free(bpack)
         aligned_free(bufs)
         return -1
-    # Enough bands that the tasks divide evenly among the threads.
-    cdef Py_ssize_t bands = min(g.H, nt // gcd(g.N, nt))
-    cdef Py_ssize_t task, n, ih0, ih1, oh_lo, oh_hi, m_lo, m_hi, m0, m1
+    cdef Py_ssize_t bands = bands_per_image(g, nt)
+    cdef Py_ssize_t task, n, ih0, ih1, m0, m1
+    cdef RowRange rows
     cdef real* buf
     for task in prange(g.N * bands, num_threads=nt, schedule="dynamic"):
         n = task // bands
         ih0 = (task % bands) * g.H // bands
         ih1 = (task % bands + 1) * g.H // bands
-        # Output rows oh with a tap ih = oh*SH - PT + kh*DH in [ih0, ih1).
-        oh_lo = max(0, -floor_div(-(ih0 + g.PT - (g.KH - 1) * g.DH), g.SH))
-        oh_hi = min(g.OH, floor_div(ih1 - 1 + g.PT, g.SH) + 1)
+        rows = band_patch_rows(g, n, ih0, ih1)
         buf = bufs + threadid() * R * ld
-        m_lo = (n * g.OH + oh_lo) * g.OW
-        m_hi = (n * g.OH + oh_hi) * g.OW
-        m0 = m_lo
-        while m0 < m_hi:
-            m1 = min(m_hi, m0 + R)
+        m0 = rows.lo
+        while m0 < rows.hi:
+            m1 = min(rows.hi, m0 + R)
             multiply_chunk(m1 - m0, OC, K, dy + m0 * rsdy, rsdy, 1, bpack,
                            kc_blk, nc_blk, 0, 1, buf, ld, 0, NULL)
             col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs)
@@ -387,14 +425,52 @@ cdef inline ImageStrides image_strides(Py_ssize_t sn, Py_ssize_t sh, Py_ssize_t 
     return s
 
 
+cdef void im2col_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                       real* cols, int max_threads) noexcept nogil:
+    # The whole patch matrix (for fastconv.im2col; the convolutions never
+    # build it).  Memory-bound: one thread per ~64K elements at most.
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef int nt = max(1, min(max_threads, <int>(M * K // COPY_ELEMENTS_PER_THREAD)))
+    cdef Py_ssize_t rows = max(1, COPY_ELEMENTS_PER_THREAD // K)
+    cdef Py_ssize_t chunk, m0
+    for chunk in prange(cdiv(M, rows), num_threads=nt, schedule="static"):
+        m0 = chunk * rows
+        im2col_rows(g, x, xs, m0, min(M, m0 + rows), cols + m0 * K, K)
+
+
+cdef void col2im_nogil(const ConvGeom* g, const real* cols, real* dx, ImageStrides xs,
+                       int max_threads) noexcept nogil:
+    # dx += the adjoint of im2col_nogil; tasks own bands of input rows.
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef int nt = max(1, min(max_threads, <int>(M * K // COPY_ELEMENTS_PER_THREAD)))
+    cdef Py_ssize_t bands = bands_per_image(g, nt)
+    cdef Py_ssize_t task, n, ih0, ih1
+    cdef RowRange rows
+    for task in prange(g.N * bands, num_threads=nt, schedule="dynamic"):
+        n = task // bands
+        ih0 = (task % bands) * g.H // bands
+        ih1 = (task % bands + 1) * g.H // bands
+        rows = band_patch_rows(g, n, ih0, ih1)
+        col2im_rows_add(g, cols + rows.lo * K, K, rows.lo, rows.hi, ih0, ih1, dx, xs)
+
+
 # The Python entry points.  The facade (fastconv/conv.py) guarantees
 # non-empty operands, channels contiguous in images, unit column stride of
-# the 2-D operands, and (for grad_input) a zeroed dx.
+# the 2-D operands, and (for grad_input) a zeroed dx; the layout checks are
+# repeated here because a violation would read the wrong elements silently.
+
+cdef check_unit_stride(Py_ssize_t extent, Py_ssize_t stride, Py_ssize_t item, str what):
+    if extent > 1 and stride != item:
+        raise ValueError(f"{what} must have unit stride along its last axis")
+
 
 def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                    kernel, stride, dilation, pad_before, out_hw, int num_threads):
     """y = patches(x) @ w.T (+ bias): x NHWC, w (OC, KH*KW*C), y (N*OH*OW, OC),
     bias None or a contiguous (OC,) array."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
+    check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
     cdef Py_ssize_t item = sizeof(real)
@@ -416,6 +492,9 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
 def conv2d_grad_weight(const real[:, :, :, :] x, const real[:, :] dy, real[:, :] dw,
                        kernel, stride, dilation, pad_before, out_hw, int num_threads):
     """dw = dy.T @ patches(x): dy (N*OH*OW, OC), dw (OC, KH*KW*C), overwritten."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    check_unit_stride(dy.shape[1], dy.strides[1], sizeof(real), "dy")
+    check_unit_stride(dw.shape[1], dw.strides[1], sizeof(real), "dw")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
     cdef Py_ssize_t item = sizeof(real)
@@ -432,6 +511,9 @@ def conv2d_grad_weight(const real[:, :, :, :] x, const real[:, :] dy, real[:, :]
 def conv2d_grad_input(const real[:, :] dy, const real[:, :] w, real[:, :, :, :] dx,
                       kernel, stride, dilation, pad_before, out_hw, int num_threads):
     """dx += col2im(dy @ w): dy (N*OH*OW, OC), w (OC, KH*KW*C), dx NHWC."""
+    check_unit_stride(dy.shape[1], dy.strides[1], sizeof(real), "dy")
+    check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
+    check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
     cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
     cdef Py_ssize_t item = sizeof(real)
@@ -443,3 +525,27 @@ def conv2d_grad_input(const real[:, :] dy, const real[:, :] w, real[:, :, :, :] 
                                        num_threads)
     if status != 0:
         raise MemoryError("conv2d_backward: could not allocate the input-gradient workspace")
+
+
+def im2col(const real[:, :, :, :] x, real[:, ::1] cols,
+           kernel, stride, dilation, pad_before, out_hw, int num_threads):
+    """cols[...] = the (N*OH*OW, KH*KW*C) patch matrix of x."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, stride, dilation, pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    with nogil:
+        im2col_nogil(&g, &x[0, 0, 0, 0], xs, &cols[0, 0], num_threads)
+
+
+def col2im(const real[:, ::1] cols, real[:, :, :, :] dx,
+           kernel, stride, dilation, pad_before, out_hw, int num_threads):
+    """dx += the adjoint of im2col applied to cols."""
+    check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
+    cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
+                                kernel, stride, dilation, pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
+    with nogil:
+        col2im_nogil(&g, &cols[0, 0], &dx[0, 0, 0, 0], xs, num_threads)
