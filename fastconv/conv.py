@@ -127,6 +127,18 @@ def _is_pointwise(geo, in_hw):
             and geo.out_hw == tuple(in_hw))
 
 
+def _is_depthwise(groups, C):
+    # One input channel per group: the GEMM would be K = KH*KW deep and
+    # `multiplier` wide, so a direct kernel vectorised over channels runs it.
+    return groups == C and C > 1
+
+
+def _tap_weights(w2d, kernel):
+    """(OC, KH*KW) depthwise weights as (KH, KW, OC): a tap's weights over
+    the channels, contiguous."""
+    return np.ascontiguousarray(w2d.T).reshape(*kernel, w2d.shape[0])
+
+
 def _group_slices(groups, C, OC):
     Cg, OCg = C // groups, OC // groups
     return [(slice(g * Cg, (g + 1) * Cg), slice(g * OCg, (g + 1) * OCg)) for g in range(groups)]
@@ -145,6 +157,10 @@ def _forward(x, w2d, groups, geo, bias=None):
         y[...] = 0 if bias is None else bias
         return y
     kernels, nt = _dispatch.kernels, get_num_threads()
+    if _is_depthwise(groups, C):
+        kernels.depthwise_forward(x, _tap_weights(w2d, geo.kernel), bias, y,
+                                  *geo[:4], nt)
+        return y
     y_rows = _pixel_matrix(y)
     pointwise = _is_pointwise(geo, x.shape[1:3])
     for c, oc in _group_slices(groups, C, OC):
@@ -164,6 +180,10 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     if dx.size == 0 or dy.size == 0:
         return dx
     kernels, nt = _dispatch.kernels, get_num_threads()
+    if _is_depthwise(groups, C):
+        kernels.depthwise_grad_input(np.ascontiguousarray(dy), _tap_weights(w2d, geo.kernel),
+                                     dx, *geo[:4], nt)
+        return dx
     dy_rows = _unit_columns(_pixel_matrix(dy))
     pointwise = _is_pointwise(geo, in_shape[1:3])
     for c, oc in _group_slices(groups, C, OC):
@@ -184,6 +204,10 @@ def _weight_grad(dy, x, groups, geo):
     if dw.size == 0 or dy.size == 0 or x.size == 0:
         return dw
     kernels, nt = _dispatch.kernels, get_num_threads()
+    if _is_depthwise(groups, C):
+        dw_taps = np.empty((KH, KW, OC), x.dtype)
+        kernels.depthwise_grad_weight(x, np.ascontiguousarray(dy), dw_taps, *geo[:4], nt)
+        return np.ascontiguousarray(dw_taps.reshape(KH * KW, OC).T)
     dy_rows = _unit_columns(_pixel_matrix(dy))
     pointwise = _is_pointwise(geo, x.shape[1:3])
     for c, oc in _group_slices(groups, C, OC):
@@ -241,7 +265,7 @@ def _check_bias(bias, dtype, channels):
     _args.same_dtype(bias, "bias", dtype)
     if bias.shape != (channels,):
         raise ValueError(f"bias must have shape ({channels},); got {bias.shape}")
-    return bias
+    return np.ascontiguousarray(bias)  # the kernels add it from contiguous memory
 
 
 def _check_grad_output(grad_output, dtype, nhwc_shape, layout):

@@ -739,3 +739,40 @@ def test_threads_give_identical_results(x_shape, kwargs, request):
         np.testing.assert_array_equal(y2, y1)
         np.testing.assert_array_equal(gx2, gx1)
         np.testing.assert_allclose(gw2, gw1, rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------- depthwise
+
+@pytest.mark.parametrize("N, H, W, C, mult, k, s, d, p", [
+    (2, 9, 8, 5, 1, 3, 1, 1, 1),
+    (1, 12, 11, 6, 3, 3, 2, 1, 1),      # channel multiplier 3
+    (3, 7, 9, 4, 2, 5, 1, 2, 3),        # dilated, padding wider than the kernel reach
+    (1, 15, 15, 32, 1, 3, 2, 1, 0),
+    (2, 6, 6, 8, 1, 1, 1, 1, 0),        # 1x1 depthwise
+    (1, 5, 4, 3, 1, 3, 3, 1, 2),        # stride = kernel
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):
+    """groups == C runs the direct depthwise kernels (forward, both
+    gradients, and the transposed convolution built on them)."""
+    rng = np.random.default_rng(N * 1000 + H * 10 + C)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((C * mult, k, k, 1)).astype(dtype)
+    b = rng.standard_normal(C * mult).astype(dtype)
+    kwargs = dict(stride=s, dilation=d, padding=p, groups=C)
+    y = conv2d(x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    gx, gw, gb = conv2d_backward(dy, x, w, **kwargs)
+    ref_y, ref_gx, ref_gw, ref_gb = torch_grads(x, w, b, dy, **kwargs)
+    taps = k * k
+    assert_close(y, ref_y, dtype, taps, "output")
+    assert_close(gx, ref_gx, dtype, taps * mult, "grad_input")
+    assert_close(gw, ref_gw, dtype, dy.size // dy.shape[3], "grad_weight")
+    w_t = rng.standard_normal((C, mult, k, k)).astype(dtype)  # (C_in, C_out/groups, KH, KW)
+    x_nchw = x.transpose(0, 3, 1, 2)
+    y_t = fastconv.conv_transpose2d(x_nchw, w_t, None, stride=s, padding=p, groups=C,
+                                    dilation=d, layout="NCHW")
+    ref_t = F.conv_transpose2d(torch.from_numpy(np.ascontiguousarray(x_nchw, np.float64)),
+                               torch.from_numpy(w_t.astype(np.float64)), None, stride=s,
+                               padding=p, groups=C, dilation=d).numpy()
+    assert_close(y_t, ref_t, dtype, taps * C, "transposed output")

@@ -17,3 +17,4 @@ cdef extern from *:
 ISA_NAME = "avx2"
 include "gemm_frame.pxi"
 include "conv_frame.pxi"
+include "depthwise_frame.pxi"

@@ -19,3 +19,4 @@ cdef extern from *:
 ISA_NAME = "avx512"
 include "gemm_frame.pxi"
 include "conv_frame.pxi"
+include "depthwise_frame.pxi"

@@ -18,3 +18,4 @@ cdef extern from *:
 ISA_NAME = "baseline"
 include "gemm_frame.pxi"
 include "conv_frame.pxi"
+include "depthwise_frame.pxi"

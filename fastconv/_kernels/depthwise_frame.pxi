@@ -1,0 +1,209 @@
+# Depthwise convolution (groups == C, OC = C * multiplier), included by the
+# per-ISA modules after conv_frame.pxi.
+#
+# A depthwise layer is KH*KW multiply-adds per output element and no
+# reduction over channels, so as a GEMM it is a product with K = KH*KW and N =
+# multiplier: far too thin to use the micro-kernel.  Here the channel axis,
+# contiguous in NHWC, is the vector axis: each tap is an element-wise FMA of a
+# pixel's channels with that tap's weights, and the compiler vectorises the
+# channel loop.  Weights come in as (KH, KW, OC) so a tap's weights are
+# contiguous too.
+#
+# Threads split output rows (forward), input rows (grad input: every task
+# writes only its own rows) and output rows again for grad weight, each
+# thread then summing into its own KH*KW*OC partial.
+
+cdef inline void depthwise_tap_row(const real* x, Py_ssize_t xsw, const real* w,
+                                   real* y, Py_ssize_t ow0, Py_ssize_t ow1,
+                                   Py_ssize_t iw0, Py_ssize_t SW, Py_ssize_t C,
+                                   Py_ssize_t mult) noexcept nogil:
+    # y[ow, :] += x[iw0 + ow*SW, channel of oc] * w[oc] for ow in ow0..ow1.
+    cdef Py_ssize_t ow, c, j, OC = C * mult
+    cdef const real* xp
+    cdef real* yp
+    cdef real xv
+    for ow in range(ow0, ow1):
+        xp = x + (iw0 + ow * SW) * xsw
+        yp = y + ow * OC
+        if mult == 1:
+            for c in range(C):
+                yp[c] += xp[c] * w[c]
+        else:
+            for c in range(C):
+                xv = xp[c]
+                for j in range(mult):
+                    yp[c * mult + j] += xv * w[c * mult + j]
+
+
+cdef inline RowRange valid_outputs(Py_ssize_t size, Py_ssize_t out_size, Py_ssize_t start,
+                                   Py_ssize_t step) noexcept nogil:
+    # The outputs o in [0, out_size) whose input start + o*step is in
+    # [0, size).  (By value: prange bodies must assign their privates.)
+    cdef RowRange r
+    r.lo = 0 if start >= 0 else (-start + step - 1) // step
+    if start + (out_size - 1) * step < size:
+        r.hi = out_size
+    elif start >= size:
+        r.hi = 0
+    else:
+        r.hi = (size - 1 - start) // step + 1
+    r.hi = min(max(r.hi, r.lo), out_size)
+    r.lo = min(r.lo, r.hi)
+    return r
+
+
+cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
+                                  const real* x, ImageStrides xs, const real* w,
+                                  const real* bias, real* y, int max_threads) noexcept nogil:
+    # y (N, OH, OW, C*mult), contiguous.
+    cdef Py_ssize_t OC = g.C * mult
+    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef Py_ssize_t row, n, oh, ow, kh, kw, ih, c
+    cdef RowRange cols
+    cdef real* yrow
+    for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+        n = row // g.OH
+        oh = row - n * g.OH
+        yrow = y + row * g.OW * OC
+        for ow in range(g.OW):
+            for c in range(OC):
+                yrow[ow * OC + c] = 0 if bias == NULL else bias[c]
+        for kh in range(g.KH):
+            ih = oh * g.SH - g.PT + kh * g.DH
+            if 0 <= ih < g.H:
+                for kw in range(g.KW):
+                    cols = valid_outputs(g.W, g.OW, kw * g.DW - g.PL, g.SW)
+                    depthwise_tap_row(x + n * xs.n + ih * xs.h, xs.w, w + (kh * g.KW + kw) * OC,
+                                      yrow, cols.lo, cols.hi, kw * g.DW - g.PL, g.SW, g.C, mult)
+
+
+cdef void depthwise_grad_input_nogil(const ConvGeom* g, Py_ssize_t mult,
+                                     const real* dy, const real* w, real* dx,
+                                     ImageStrides xs, int max_threads) noexcept nogil:
+    # dx (zeroed by the caller) += the adjoint of the forward; dy contiguous.
+    cdef Py_ssize_t OC = g.C * mult
+    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef Py_ssize_t row, n, ih, kh, kw, t, oh, ow, iw, c, j
+    cdef RowRange cols
+    cdef const real* dyp
+    cdef const real* wp
+    cdef real* dxp
+    cdef real s
+    for row in prange(g.N * g.H, num_threads=nt, schedule="static"):
+        n = row // g.H
+        ih = row - n * g.H
+        for kh in range(g.KH):
+            t = ih + g.PT - kh * g.DH
+            if t >= 0 and t % g.SH == 0 and t // g.SH < g.OH:
+                oh = t // g.SH
+                for kw in range(g.KW):
+                    wp = w + (kh * g.KW + kw) * OC
+                    cols = valid_outputs(g.W, g.OW, kw * g.DW - g.PL, g.SW)
+                    for ow in range(cols.lo, cols.hi):
+                        iw = ow * g.SW - g.PL + kw * g.DW
+                        dyp = dy + ((n * g.OH + oh) * g.OW + ow) * OC
+                        dxp = dx + n * xs.n + ih * xs.h + iw * xs.w
+                        if mult == 1:
+                            for c in range(g.C):
+                                dxp[c] += dyp[c] * wp[c]
+                        else:
+                            for c in range(g.C):
+                                s = 0
+                                for j in range(mult):
+                                    s = s + dyp[c * mult + j] * wp[c * mult + j]
+                                dxp[c] += s
+
+
+cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
+                                     const real* x, ImageStrides xs, const real* dy,
+                                     real* dw, int max_threads) noexcept nogil:
+    # dw (KH, KW, OC), overwritten; dy contiguous.
+    cdef Py_ssize_t OC = g.C * mult, taps = g.KH * g.KW * OC
+    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef real* partials = <real*>aligned_malloc(nt * taps * sizeof(real))
+    if partials == NULL:
+        return -1
+    memset(partials, 0, nt * taps * sizeof(real))
+    cdef Py_ssize_t row, n, oh, kh, kw, ih, ow, iw, c, j, i, t
+    cdef RowRange cols
+    cdef const real* dyp
+    cdef const real* xp
+    cdef real* acc
+    for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+        n = row // g.OH
+        oh = row - n * g.OH
+        for kh in range(g.KH):
+            ih = oh * g.SH - g.PT + kh * g.DH
+            if 0 <= ih < g.H:
+                for kw in range(g.KW):
+                    acc = partials + threadid() * taps + (kh * g.KW + kw) * OC
+                    cols = valid_outputs(g.W, g.OW, kw * g.DW - g.PL, g.SW)
+                    for ow in range(cols.lo, cols.hi):
+                        iw = ow * g.SW - g.PL + kw * g.DW
+                        dyp = dy + (row * g.OW + ow) * OC
+                        xp = x + n * xs.n + ih * xs.h + iw * xs.w
+                        if mult == 1:
+                            for c in range(g.C):
+                                acc[c] += dyp[c] * xp[c]
+                        else:
+                            for c in range(g.C):
+                                for j in range(mult):
+                                    acc[c * mult + j] += dyp[c * mult + j] * xp[c]
+    for i in range(taps):
+        dw[i] = partials[i]
+    for t in range(1, nt):
+        for i in range(taps):
+            dw[i] += partials[t * taps + i]
+    aligned_free(partials)
+    return 0
+
+
+def depthwise_forward(const real[:, :, :, :] x, const real[:, :, ::1] w, bias,
+                      real[:, :, :, ::1] y, kernel, stride, dilation, pad_before,
+                      int num_threads):
+    """y = depthwise conv of NHWC x with w (KH, KW, OC), OC = C * multiplier,
+    plus bias (None or a contiguous (OC,) array); y (N, OH, OW, OC)."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, stride, dilation, pad_before, (y.shape[1], y.shape[2]))
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef const real[::1] bias_view
+    cdef const real* bias_ptr = NULL
+    if bias is not None:
+        bias_view = bias
+        bias_ptr = &bias_view[0]
+    with nogil:
+        depthwise_forward_nogil(&g, y.shape[3] // x.shape[3], &x[0, 0, 0, 0], xs,
+                                &w[0, 0, 0], bias_ptr, &y[0, 0, 0, 0], num_threads)
+
+
+def depthwise_grad_input(const real[:, :, :, ::1] dy, const real[:, :, ::1] w,
+                         real[:, :, :, :] dx, kernel, stride, dilation, pad_before,
+                         int num_threads):
+    """dx += the input gradient of depthwise_forward for dy (N, OH, OW, OC)."""
+    check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
+    cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
+                                kernel, stride, dilation, pad_before, (dy.shape[1], dy.shape[2]))
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
+    with nogil:
+        depthwise_grad_input_nogil(&g, dy.shape[3] // dx.shape[3], &dy[0, 0, 0, 0],
+                                   &w[0, 0, 0], &dx[0, 0, 0, 0], xs, num_threads)
+
+
+def depthwise_grad_weight(const real[:, :, :, :] x, const real[:, :, :, ::1] dy,
+                          real[:, :, ::1] dw, kernel, stride, dilation, pad_before,
+                          int num_threads):
+    """dw (KH, KW, OC) = the weight gradient of depthwise_forward."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, stride, dilation, pad_before, (dy.shape[1], dy.shape[2]))
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef int status
+    with nogil:
+        status = depthwise_grad_weight_nogil(&g, dy.shape[3] // x.shape[3], &x[0, 0, 0, 0], xs,
+                                             &dy[0, 0, 0, 0], &dw[0, 0, 0], num_threads)
+    if status != 0:
+        raise MemoryError("depthwise grad weight: could not allocate per-thread partials")
