@@ -13,6 +13,26 @@
 # writes only its own rows) and output rows again for grad weight, each
 # thread then summing into its own KH*KW*OC partial.
 
+cdef extern from "depthwise_kernel.h":
+    void fc_depthwise_taps_f32(Py_ssize_t C, Py_ssize_t ntaps, const float* const* a,
+                               const float* const* b, const float* bias, float* y) noexcept nogil
+    void fc_depthwise_taps_f64(Py_ssize_t C, Py_ssize_t ntaps, const double* const* a,
+                               const double* const* b, const double* bias, double* y) noexcept nogil
+
+cdef enum:
+    # Taps per kernel the pointer lists hold on the stack; larger kernels (or
+    # channel multipliers) take the generic loops.
+    MAX_DEPTHWISE_TAPS = 64
+
+
+cdef inline void depthwise_taps(Py_ssize_t C, Py_ssize_t ntaps, const real** a,
+                                const real** b, const real* bias, real* y) noexcept nogil:
+    if real is float:
+        fc_depthwise_taps_f32(C, ntaps, a, b, bias, y)
+    else:
+        fc_depthwise_taps_f64(C, ntaps, a, b, bias, y)
+
+
 cdef inline void depthwise_tap_row(const real* x, Py_ssize_t xsw, const real* w,
                                    real* y, Py_ssize_t ow0, Py_ssize_t ow1,
                                    Py_ssize_t iw0, Py_ssize_t SW, Py_ssize_t C,
@@ -52,6 +72,54 @@ cdef inline RowRange valid_outputs(Py_ssize_t size, Py_ssize_t out_size, Py_ssiz
     return r
 
 
+cdef void depthwise_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                                const real* w, const real* bias, real* y,
+                                Py_ssize_t row) noexcept nogil:
+    # Output row `row` (= n*OH + oh) with multiplier 1: per pixel, the list of
+    # its taps inside the image (padding taps add nothing), then one pass.
+    cdef const real* xp[MAX_DEPTHWISE_TAPS]
+    cdef const real* wp[MAX_DEPTHWISE_TAPS]
+    cdef Py_ssize_t n = row // g.OH, oh = row % g.OH
+    cdef Py_ssize_t ow, kh, kw, ih, iw, ntaps
+    for ow in range(g.OW):
+        ntaps = 0
+        for kh in range(g.KH):
+            ih = oh * g.SH - g.PT + kh * g.DH
+            if 0 <= ih < g.H:
+                for kw in range(g.KW):
+                    iw = ow * g.SW - g.PL + kw * g.DW
+                    if 0 <= iw < g.W:
+                        xp[ntaps] = x + n * xs.n + ih * xs.h + iw * xs.w
+                        wp[ntaps] = w + (kh * g.KW + kw) * g.C
+                        ntaps += 1
+        depthwise_taps(g.C, ntaps, xp, wp, bias, y + (row * g.OW + ow) * g.C)
+
+
+cdef void depthwise_grad_input_row(const ConvGeom* g, const real* dy, const real* w,
+                                   real* dx, ImageStrides xs, Py_ssize_t row) noexcept nogil:
+    # Input row `row` (= n*H + ih) with multiplier 1: per input pixel, the
+    # output gradients of every tap that read it, then one pass (the pixel
+    # is written, not accumulated: no other task touches it).
+    cdef const real* dyp[MAX_DEPTHWISE_TAPS]
+    cdef const real* wp[MAX_DEPTHWISE_TAPS]
+    cdef Py_ssize_t n = row // g.H, ih = row % g.H
+    cdef Py_ssize_t iw, kh, kw, t, u, oh, ow, ntaps
+    for iw in range(g.W):
+        ntaps = 0
+        for kh in range(g.KH):
+            t = ih + g.PT - kh * g.DH
+            if t >= 0 and t % g.SH == 0 and t // g.SH < g.OH:
+                oh = t // g.SH
+                for kw in range(g.KW):
+                    u = iw + g.PL - kw * g.DW
+                    if u >= 0 and u % g.SW == 0 and u // g.SW < g.OW:
+                        ow = u // g.SW
+                        dyp[ntaps] = dy + ((n * g.OH + oh) * g.OW + ow) * g.C
+                        wp[ntaps] = w + (kh * g.KW + kw) * g.C
+                        ntaps += 1
+        depthwise_taps(g.C, ntaps, dyp, wp, NULL, dx + n * xs.n + ih * xs.h + iw * xs.w)
+
+
 cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
                                   const real* x, ImageStrides xs, const real* w,
                                   const real* bias, real* y, int max_threads) noexcept nogil:
@@ -61,6 +129,10 @@ cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
     cdef Py_ssize_t row, n, oh, ow, kh, kw, ih, c
     cdef RowRange cols
     cdef real* yrow
+    if mult == 1 and g.KH * g.KW <= MAX_DEPTHWISE_TAPS:
+        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+            depthwise_forward_row(g, x, xs, w, bias, y, row)
+        return
     for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
         n = row // g.OH
         oh = row - n * g.OH
@@ -89,6 +161,10 @@ cdef void depthwise_grad_input_nogil(const ConvGeom* g, Py_ssize_t mult,
     cdef const real* wp
     cdef real* dxp
     cdef real s
+    if mult == 1 and g.KH * g.KW <= MAX_DEPTHWISE_TAPS:
+        for row in prange(g.N * g.H, num_threads=nt, schedule="static"):
+            depthwise_grad_input_row(g, dy, w, dx, xs, row)
+        return
     for row in prange(g.N * g.H, num_threads=nt, schedule="static"):
         n = row // g.H
         ih = row - n * g.H
