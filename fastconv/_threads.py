@@ -9,6 +9,8 @@ from ._kernels import _runtime
 def set_num_threads(n):
     """Use at most ``n`` threads in later fastconv calls from this thread."""
     try:
+        if isinstance(n, bool):
+            raise TypeError
         n = operator.index(n)
     except TypeError:
         raise TypeError(f"n must be an int, got {type(n).__name__}") from None

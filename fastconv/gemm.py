@@ -23,6 +23,8 @@ def as_float_matrix(x, name, dtype=None):
         raise ValueError(f"{name} must be 2-D, got {x.ndim}-D with shape {x.shape}")
     if dtype is not None:
         x = x.astype(dtype, copy=False)
+    elif not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))  # the kernels read native floats
     if x.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
     if any(s % x.itemsize for s in x.strides):
