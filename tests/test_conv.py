@@ -776,3 +776,29 @@ def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):
                                torch.from_numpy(w_t.astype(np.float64)), None, stride=s,
                                padding=p, groups=C, dilation=d).numpy()
     assert_close(y_t, ref_t, dtype, taps * C, "transposed output")
+
+
+# ------------------------------------------------------- implicit GEMM paths
+
+@pytest.mark.parametrize("N, H, W, C, OC, k, s, d, p", [
+    (2, 9, 10, 300, 40, 3, 1, 1, 1),    # a tap deeper than KC: channel-split k-blocks
+    (1, 12, 12, 600, 70, 3, 2, 1, 1),   # the same, strided
+    (2, 8, 9, 1024, 33, 3, 1, 1, 1),    # pixels 4 KiB apart: patch-row path throughout
+    (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
+    (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
+    (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
+    """Interior pixels are multiplied straight from the image, border pixels
+    through built patch rows; both, across every k-block shape, must agree
+    with torch."""
+    rng = np.random.default_rng(C + OC)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, k, k, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    kwargs = dict(stride=s, dilation=d, padding=p)
+    y = conv2d(x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    ref_y, _, _, _ = torch_grads(x, w, b, dy, **kwargs)
+    assert_close(y, ref_y, dtype, k * k * C, "output")

@@ -148,55 +148,216 @@ cdef void col2im_rows_add(const ConvGeom* g, const real* src, Py_ssize_t lds,
                 s += g.C
 
 
-cdef real* pack_b_all(Py_ssize_t K, Py_ssize_t N, const real* b,
-                      Py_ssize_t rsb, Py_ssize_t csb,
-                      Py_ssize_t kc_blk, Py_ssize_t nc_blk, int nt) noexcept nogil:
-    # All of B (K x N), packed once: block (jb, pb) of kc_blk x nc_blk at
-    # offset (jb * n_kb + pb) * kc_blk * nc_blk, its NR panels inside as
-    # pack_b_panel lays them.  NULL when out of memory.
+cdef struct KBlock:
+    # A depth block of the patch columns: k in [k0, k0 + kc).  For the
+    # forward's k-blocks it is also taps t0..t0+ntaps, channels c0..c0+cw of
+    # each (kc = ntaps * cw): a block never splits a tap's channels unless it
+    # holds that one tap only.
+    Py_ssize_t k0, kc, t0, ntaps, c0, cw
+
+
+cdef Py_ssize_t uniform_k_blocks(Py_ssize_t K, Py_ssize_t kc_blk, KBlock* blocks) noexcept nogil:
+    cdef Py_ssize_t b, n = cdiv(K, kc_blk)
+    for b in range(n):
+        blocks[b].k0 = b * kc_blk
+        blocks[b].kc = min(kc_blk, K - b * kc_blk)
+        blocks[b].t0 = 0
+        blocks[b].ntaps = 1
+        blocks[b].c0 = b * kc_blk
+        blocks[b].cw = blocks[b].kc
+    return n
+
+
+cdef Py_ssize_t conv_k_blocks(real dtype_tag, const ConvGeom* g, KBlock* blocks) noexcept nogil:
+    # Blocks of whole taps, about KC deep; a tap deeper than KC is cut into
+    # equal channel ranges.  blocks has room for KH*KW*cdiv(C, KC) entries.
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t T = g.KH * g.KW, C = g.C
+    cdef Py_ssize_t n = 0, b, t, tb, ncb, cb
+    if C <= KC:
+        tb = max(1, KC // C)
+        tb = cdiv(T, cdiv(T, tb))
+        for b in range(cdiv(T, tb)):
+            blocks[n].t0 = b * tb
+            blocks[n].ntaps = min(tb, T - b * tb)
+            blocks[n].c0 = 0
+            blocks[n].cw = C
+            n += 1
+    else:
+        ncb = cdiv(C, KC)
+        cb = cdiv(C, ncb)
+        for t in range(T):
+            for b in range(ncb):
+                blocks[n].t0 = t
+                blocks[n].ntaps = 1
+                blocks[n].c0 = b * cb
+                blocks[n].cw = min(cb, C - b * cb)
+                n += 1
+    for b in range(n):
+        blocks[b].k0 = blocks[b].t0 * C + blocks[b].c0
+        blocks[b].kc = blocks[b].ntaps * blocks[b].cw
+    return n
+
+
+cdef inline Py_ssize_t max_block_depth(const KBlock* blocks, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t b, depth = 0
+    for b in range(n):
+        depth = max(depth, blocks[b].kc)
+    return depth
+
+
+cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
+                         const real* b, Py_ssize_t rsb, Py_ssize_t csb,
+                         Py_ssize_t nc_blk, int nt) noexcept nogil:
+    # All of B (K x N), packed once: block (jb, kb) -- k-block kb, columns
+    # jb*nc_blk.. -- at offset (jb * n_kb + kb) * kc_max * nc_blk, its NR
+    # panels inside as pack_b_panel lays them.  NULL when out of memory.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t n_kb = cdiv(K, kc_blk), n_jb = cdiv(N, nc_blk)
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb), n_jb = cdiv(N, nc_blk)
     cdef Py_ssize_t panels_per_blk = nc_blk // NR
-    cdef real* dst = <real*>aligned_malloc(n_jb * n_kb * kc_blk * nc_blk * sizeof(real))
+    cdef real* dst = <real*>aligned_malloc(n_jb * n_kb * kc_max * nc_blk * sizeof(real))
     if dst == NULL:
         return NULL
-    cdef Py_ssize_t t, jb, pb, jp, jc, pc, kc, nc
+    cdef Py_ssize_t t, jb, kb, jp, jc
     for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
         jb = t // (n_kb * panels_per_blk)
-        pb = (t // panels_per_blk) % n_kb
+        kb = (t // panels_per_blk) % n_kb
         jp = t % panels_per_blk
         jc = jb * nc_blk + jp * NR
-        pc = pb * kc_blk
         if jc < N:
-            kc = min(kc_blk, K - pc)
-            pack_b_panel(kc, min(NR, N - jc), b + pc * rsb + jc * csb, rsb, csb,
-                         dst + (jb * n_kb + pb) * kc_blk * nc_blk + jp * NR * kc)
+            pack_b_panel(blocks[kb].kc, min(NR, N - jc), b + blocks[kb].k0 * rsb + jc * csb,
+                         rsb, csb, dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
     return dst
 
 
-cdef void multiply_chunk(Py_ssize_t rows, Py_ssize_t K, Py_ssize_t N,
-                         const real* a, Py_ssize_t rsa, Py_ssize_t csa,
-                         const real* bpack, Py_ssize_t kc_blk, Py_ssize_t nc_blk,
+cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
+                         Py_ssize_t N, const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                         const real* bpack, Py_ssize_t nc_blk,
                          Py_ssize_t js, Py_ssize_t n_js,
                          real* c, Py_ssize_t rsc, real beta,
                          const real* bias) noexcept nogil:
     # c[rows, share js of n_js of the columns] = a @ B (+ beta*c, + bias),
-    # one thread, B prepacked by pack_b_all.
+    # one thread, B prepacked by pack_b_blocks.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t n_kb = cdiv(K, kc_blk)
-    cdef Py_ssize_t jb, pb, jc, pc, nc, kc, n_panels
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
+    cdef Py_ssize_t jb, kb, jc, nc, n_panels
     for jb in range(cdiv(N, nc_blk)):
         jc = jb * nc_blk
         nc = min(nc_blk, N - jc)
         n_panels = cdiv(nc, NR)
-        for pb in range(n_kb):
-            pc = pb * kc_blk
-            kc = min(kc_blk, K - pc)
-            macro_kernel(rows, nc, kc, js * n_panels // n_js, (js + 1) * n_panels // n_js,
-                         a + pc * csa, rsa, csa,
-                         bpack + (jb * n_kb + pb) * kc_blk * nc_blk,
-                         c + jc, rsc, 1, 1, beta, pb == 0,
+        for kb in range(n_kb):
+            macro_kernel(rows, nc, blocks[kb].kc, js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                         a + blocks[kb].k0 * csa, rsa, csa,
+                         bpack + (jb * n_kb + kb) * kc_max * nc_blk,
+                         c + jc, rsc, 1, 1, beta, kb == 0,
                          NULL if bias == NULL else bias + jc)
+
+
+cdef struct Segment:
+    # Up to MR consecutive output pixels of one output row.  Interior
+    # segments (no tap in the padding) are read straight from the image:
+    # a_off is the element offset of the first pixel's tap (0, 0).  Others
+    # have their patch rows in the chunk buffer from row a_off.
+    Py_ssize_t m0, mr, a_off
+    bint interior
+
+
+cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag) noexcept nogil:
+    # MR pixels read at a stride that is a multiple of 4 KiB would all fall
+    # in one L1 set (see macro_kernel); those layers take the chunk path.
+    return (g.SW * xs.w * <Py_ssize_t>sizeof(real)) % 4096 != 0
+
+
+cdef Py_ssize_t plan_segments(const ConvGeom* g, const real* x, ImageStrides xs,
+                              Py_ssize_t m0, Py_ssize_t m1, bint use_taps,
+                              real* buf, Py_ssize_t ld, Segment* segs) noexcept nogil:
+    # Cut pixels m0..m1 into segments; build the patch rows of the
+    # non-interior ones into buf.  Returns the number of segments.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t ohw = g.OH * g.OW
+    cdef Py_ssize_t m = m0, n, r, oh, ow, ih0, ow_lo, ow_hi, end, nseg = 0, nbuf = 0
+    cdef bint interior
+    while m < m1:
+        n = m // ohw
+        r = m - n * ohw
+        oh = r // g.OW
+        ow = r - oh * g.OW
+        end = min(m1, m + g.OW - ow, m + MR)
+        # Output columns whose every tap is inside the image, for this row.
+        ih0 = oh * g.SH - g.PT
+        ow_lo = g.OW
+        ow_hi = g.OW
+        if use_taps and ih0 >= 0 and ih0 + (g.KH - 1) * g.DH < g.H:
+            ow_lo = cdiv(g.PL, g.SW)
+            ow_hi = g.W - 1 - (g.KW - 1) * g.DW + g.PL
+            ow_hi = min(g.OW, ow_hi // g.SW + 1) if ow_hi >= 0 else 0
+            if ow_hi <= ow_lo:
+                ow_lo = g.OW
+                ow_hi = g.OW
+        interior = ow_lo <= ow < ow_hi
+        if interior:
+            end = min(end, m + ow_hi - ow)
+        elif ow < ow_lo:
+            end = min(end, m + ow_lo - ow)
+        segs[nseg].m0 = m
+        segs[nseg].mr = end - m
+        segs[nseg].interior = interior
+        if interior:
+            segs[nseg].a_off = n * xs.n + ih0 * xs.h + (ow * g.SW - g.PL) * xs.w
+        else:
+            im2col_rows(g, x, xs, m, end, buf + nbuf * ld, ld)
+            segs[nseg].a_off = nbuf
+            nbuf += end - m
+        nseg += 1
+        m = end
+    return nseg
+
+
+cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
+                            const Py_ssize_t* tap_off, const Segment* segs, Py_ssize_t nseg,
+                            const real* buf, Py_ssize_t ld,
+                            const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
+                            const real* bpack, Py_ssize_t nc_blk,
+                            Py_ssize_t js, Py_ssize_t n_js,
+                            const real* bias, real* y, Py_ssize_t rsy) noexcept nogil:
+    # y[segment pixels, share js of the output channels] = patches @ w.T (+
+    # bias): the forward's macro-kernel.  Per k-block, each segment's A slice
+    # stays in L1 while the NR panels of the block stream from L2.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
+    cdef Py_ssize_t rsa = g.SW * xs.w
+    cdef real acc[MAX_TILE]
+    cdef Py_ssize_t jb, kb, jc, nc, n_panels, si, jp, jr
+    cdef const real* bblk
+    cdef const KBlock* blk
+    cdef const Segment* s
+    for jb in range(cdiv(OC, nc_blk)):
+        jc = jb * nc_blk
+        nc = min(nc_blk, OC - jc)
+        n_panels = cdiv(nc, NR)
+        for kb in range(n_kb):
+            blk = blocks + kb
+            bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
+            for si in range(nseg):
+                s = segs + si
+                for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
+                    jr = jp * NR
+                    if s.interior:
+                        if real is float:
+                            fc_taps_kernel_f32(s.mr, blk.ntaps, tap_off + blk.t0, blk.cw,
+                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc, acc)
+                        else:
+                            fc_taps_kernel_f64(s.mr, blk.ntaps, tap_off + blk.t0, blk.cw,
+                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc, acc)
+                    elif real is float:
+                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld, 1,
+                                            bblk + jr * blk.kc, acc)
+                    else:
+                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld, 1,
+                                            bblk + jr * blk.kc, acc)
+                    store_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
+                               min(NR, nc - jr), 1, 0, kb == 0,
+                               NULL if bias == NULL else bias + jc + jr)
 
 
 cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -204,39 +365,62 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* bias, real* y, Py_ssize_t rsy,
                             int max_threads) noexcept nogil:
     # y[m, oc] = sum_k patches[m, k] * w[oc, k] (+ bias[oc]); w is OHWI
-    # flattened (OC x K, row stride rsw), y row m has stride rsy.
+    # flattened (OC x K, row stride rsw), y row m has stride rsy.  Implicit
+    # GEMM: pixels whose taps are all inside the image are multiplied
+    # straight from it (fc_taps_kernel); only the border pixels' patch rows
+    # are built, a chunk at a time.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g), T = g.KH * g.KW
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
-    cdef Py_ssize_t kc_blk, nc_blk
-    block_sizes(<real>0, K, OC, &kc_blk, &nc_blk)
-    cdef real* bpack = pack_b_all(K, OC, w, 1, rsw, kc_blk, nc_blk, nt)
+    cdef Py_ssize_t kc_unused, nc_blk
+    block_sizes(<real>0, K, OC, &kc_unused, &nc_blk)
+    cdef KBlock* blocks = <KBlock*>malloc(T * cdiv(g.C, KC) * sizeof(KBlock))
+    cdef Py_ssize_t* tap_off = <Py_ssize_t*>malloc(T * sizeof(Py_ssize_t))
+    if blocks == NULL or tap_off == NULL:
+        free(blocks)
+        free(tap_off)
+        return -1
+    cdef Py_ssize_t n_kb = conv_k_blocks(<real>0, g, blocks)
+    cdef Py_ssize_t kh, kw
+    for kh in range(g.KH):
+        for kw in range(g.KW):
+            tap_off[kh * g.KW + kw] = kh * g.DH * xs.h + kw * g.DW * xs.w
+    cdef real* bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
-    if bpack == NULL or bufs == NULL:
+    cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
+    if bpack == NULL or bufs == NULL or seg_bufs == NULL:
         aligned_free(bpack)
         aligned_free(bufs)
+        free(seg_bufs)
+        free(blocks)
+        free(tap_off)
         return -1
-    # Chunks of patch rows split across threads, or, when there are too few
-    # (batch 1 at 7x7), the output channels too; then threads build the same
+    cdef bint use_taps = taps_path_ok(g, xs, <real>0)
+    # Chunks of pixels split across threads, or, when there are too few
+    # (batch 1 at 7x7), the output channels too; then threads plan the same
     # chunk, a small price next to its multiplication.
     cdef Py_ssize_t n_chunks = cdiv(M, R), n_ic, n_js
     best_split(n_chunks, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
     if n_ic < n_chunks:
         n_ic = n_chunks
-    cdef Py_ssize_t task, m0, m1
-    cdef real* buf
+    cdef Py_ssize_t task, m0, tid, nseg
     for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
         m0 = (task // n_js) * R
-        m1 = min(M, m0 + R)
-        buf = bufs + threadid() * R * ld
-        im2col_rows(g, x, xs, m0, m1, buf, ld)
-        multiply_chunk(m1 - m0, K, OC, buf, ld, 1, bpack, kc_blk, nc_blk,
-                       task % n_js, n_js, y + m0 * rsy, rsy, 0, bias)
+        tid = threadid()
+        nseg = plan_segments(g, x, xs, m0, min(M, m0 + R), use_taps,
+                             bufs + tid * R * ld, ld, seg_bufs + tid * R)
+        multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
+                          bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
+                          task % n_js, n_js, bias, y, rsy)
     aligned_free(bpack)
     aligned_free(bufs)
+    free(seg_bufs)
+    free(blocks)
+    free(tap_off)
     return 0
 
 
@@ -374,13 +558,18 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
     cdef Py_ssize_t kc_blk, nc_blk
     block_sizes(<real>0, OC, K, &kc_blk, &nc_blk)
-    cdef real* bpack = pack_b_all(OC, K, w, rsw, 1, kc_blk, nc_blk, nt)
+    cdef KBlock* blocks = <KBlock*>malloc(cdiv(OC, kc_blk) * sizeof(KBlock))
+    if blocks == NULL:
+        return -1
+    cdef Py_ssize_t n_kb = uniform_k_blocks(OC, kc_blk, blocks)
+    cdef real* bpack = pack_b_blocks(blocks, n_kb, K, w, rsw, 1, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     if bpack == NULL or bufs == NULL:
         aligned_free(bpack)
         aligned_free(bufs)
+        free(blocks)
         return -1
     cdef Py_ssize_t bands = bands_per_image(g, nt)
     cdef Py_ssize_t task, n, ih0, ih1, m0, m1
@@ -395,12 +584,13 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
         m0 = rows.lo
         while m0 < rows.hi:
             m1 = min(rows.hi, m0 + R)
-            multiply_chunk(m1 - m0, OC, K, dy + m0 * rsdy, rsdy, 1, bpack,
-                           kc_blk, nc_blk, 0, 1, buf, ld, 0, NULL)
+            multiply_chunk(m1 - m0, blocks, n_kb, K, dy + m0 * rsdy, rsdy, 1, bpack,
+                           nc_blk, 0, 1, buf, ld, 0, NULL)
             col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs)
             m0 = m1
     aligned_free(bpack)
     aligned_free(bufs)
+    free(blocks)
     return 0
 
 

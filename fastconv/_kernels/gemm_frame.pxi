@@ -37,6 +37,12 @@ cdef extern from "micro_kernel.h":
                              Py_ssize_t csa, const float* b, float* acc) noexcept nogil
     void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
                              Py_ssize_t csa, const double* b, double* acc) noexcept nogil
+    void fc_taps_kernel_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
+                            const float* a0, Py_ssize_t rsa, const float* b,
+                            float* acc) noexcept nogil
+    void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
+                            const double* a0, Py_ssize_t rsa, const double* b,
+                            double* acc) noexcept nogil
 
 ctypedef fused real:
     float

@@ -79,14 +79,64 @@
     X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
     X(SUFFIX, T, 16, NR)
 
+/* The implicit-GEMM variant for convolutions: A is never materialised.  Row
+ * i of A, over ntaps taps of kc channels each, is the image pixels
+ * a + i*rsa + tap_off[t] + (0..kc): MR consecutive output pixels of one row
+ * read their input pixels at a constant stride rsa (stride * pixel stride),
+ * and each kernel tap is one more offset.  Valid only where no tap of the MR
+ * pixels falls in the padding. */
+#define FC_TAPS_KERNEL_BODY(T, VEC, MR, NR)                                      \
+    {                                                                           \
+        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
+        VEC c[MR][NV];                                                          \
+        FC_UNROLL for (int i = 0; i < (MR); i++)                                \
+            FC_UNROLL for (int j = 0; j < NV; j++)                              \
+                c[i][j] = (VEC){0};                                             \
+        for (ptrdiff_t t = 0; t < ntaps; t++) {                                 \
+            const T *a = a0 + tap_off[t];                                       \
+            for (ptrdiff_t p = 0; p < kc; p++) {                                \
+                VEC bv[NV];                                                     \
+                FC_UNROLL for (int j = 0; j < NV; j++)                          \
+                    memcpy(&bv[j], b + j * VL, FC_VBYTES);                      \
+                FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
+                    const T ai = a[i * rsa];                                    \
+                    FC_UNROLL for (int j = 0; j < NV; j++)                      \
+                        c[i][j] += ai * bv[j];                                  \
+                }                                                               \
+                a += 1;                                                         \
+                b += (NR);                                                      \
+            }                                                                   \
+        }                                                                       \
+        FC_UNROLL for (int i = 0; i < (MR); i++)                                \
+            FC_UNROLL for (int j = 0; j < NV; j++)                              \
+                memcpy(acc + i * (NR) + j * VL, &c[i][j], FC_VBYTES);           \
+    }
+
+#define FC_DEFINE_TAPS_KERNEL(SUFFIX, T, R, NR)                                  \
+    static inline void fc_taps_kernel_##SUFFIX##_##R(                           \
+        ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,                \
+        const T *restrict a0, ptrdiff_t rsa, const T *restrict b,               \
+        T *restrict acc)                                                        \
+    FC_TAPS_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR)
+
+#define FC_TAPS_CASE(SUFFIX, T, R, NR)                                           \
+    case R: fc_taps_kernel_##SUFFIX##_##R(ntaps, tap_off, kc, a0, rsa, b, acc); break;
+
 #define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, NR)                                   \
     typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
     FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
+    FC_FOR_ROWS(FC_DEFINE_TAPS_KERNEL, SUFFIX, T, NR)                           \
     static inline void fc_micro_kernel_##SUFFIX(                                \
         int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, ptrdiff_t csa,         \
         const T *b, T *acc)                                                     \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
+    }                                                                           \
+    static inline void fc_taps_kernel_##SUFFIX(                                 \
+        int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
+        const T *a0, ptrdiff_t rsa, const T *b, T *acc)                         \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_TAPS_CASE, SUFFIX, T, NR) }                \
     }
 
 #if FC_S_MR > 16 || FC_D_MR > 16
