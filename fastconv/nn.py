@@ -1,0 +1,1012 @@
+"""Layers, losses and an optimizer for NHWC networks, on fastconv's kernels
+and numpy alone (no autograd: every layer implements its own backward).
+
+Conventions
+-----------
+* Images are NHWC: ``(N, H, W, C)``.  Conv weights are ``(OC, KH, KW, C/groups)``
+  (PyTorch's OIHW with the channel axis last); transposed-conv weights are
+  ``(C_in, KH, KW, C_out/groups)``; Linear weights are ``(out_features,
+  in_features)`` exactly as in PyTorch (the product reads the transpose in
+  place, so keeping PyTorch's layout costs nothing and needs no conversion).
+* ``layer(x)`` runs ``forward`` and remembers what ``backward`` needs;
+  ``layer.backward(grad_output)`` returns the gradient with respect to the
+  input and *adds* the parameter gradients to ``param.grad`` (as PyTorch
+  does; ``zero_grad()`` resets them).  Each forward overwrites what the
+  previous one saved, so a layer object appears once per network (use two
+  ``ReLU()`` objects, not one called twice).  What is saved are references,
+  not copies: do not modify a layer's input or output in place before its
+  backward.  Under ``with no_grad():`` nothing is saved, which is what
+  inference wants.
+* Parameters are :class:`Parameter` objects (``.data``, ``.grad``).
+  Attributes holding a Parameter or a Module are found automatically (in
+  assignment order), which gives PyTorch's state_dict key names:
+  ``conv1.weight``, ``layer1.0.bn1.running_mean``, ``fc.bias``...
+* Every layer computes in the dtype of its parameters (``dtype=`` argument,
+  float32 by default); feed it inputs of that dtype.
+
+Example::
+
+    import numpy as np
+    from fastconv import nn
+
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1, rng=0), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 10, rng=1))
+    loss_fn = nn.CrossEntropyLoss()
+    optimizer = nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+    optimizer.zero_grad()
+    loss = loss_fn(model(images), labels)          # images: (N, 8, 8, 1) float32
+    model.backward(loss_fn.backward())
+    optimizer.step()
+
+    model.eval()
+    with nn.no_grad():
+        predictions = model(images).argmax(axis=1)
+    model.save("digits.npz")
+"""
+import contextlib
+import contextvars
+import copy
+import itertools
+import math
+import os
+
+import numpy as np
+
+from . import _args
+from .conv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
+from .gemm import dgemm, sgemm
+
+__all__ = [
+    "Parameter", "Module", "no_grad",
+    "Conv2d", "ConvTranspose2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
+    "AdaptiveAvgPool2d", "BatchNorm2d", "Flatten", "Identity", "Sequential", "BasicBlock",
+    "CrossEntropyLoss", "SGD",
+    "fold_batchnorm", "fold_batchnorms", "load_torch_state_dict", "to_torch_state_dict",
+]
+
+
+# ------------------------------------------------------------------ basics
+
+class Parameter:
+    """A trainable array and the gradient accumulated for it (None until a
+    backward pass reaches it)."""
+    __slots__ = ("data", "grad")
+
+    def __init__(self, data):
+        self.data = data
+        self.grad = None
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    def accumulate(self, grad):
+        # The layers hand over freshly allocated gradients, so the first one
+        # is kept as is and later ones are added into it in place.
+        if self.grad is None:
+            self.grad = grad
+        else:
+            self.grad += grad
+
+    def __repr__(self):
+        return f"Parameter(shape={self.shape}, dtype={self.dtype})"
+
+
+_grad_enabled = contextvars.ContextVar("fastconv_nn_grad_enabled", default=True)
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Within this block layers save nothing for backward (inference needs
+    no memory for activations); BatchNorm2d in training mode still updates
+    its running statistics, as in PyTorch."""
+    token = _grad_enabled.set(False)
+    try:
+        yield
+    finally:
+        _grad_enabled.reset(token)
+
+
+def _join(prefix, name):
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _rng(rng):
+    """np.random.Generator from a seed, a Generator, or None (fresh entropy)."""
+    return np.random.default_rng(rng)
+
+
+def _kaiming_normal(shape, fan_in, dtype, rng):
+    # He et al. 2015: std = sqrt(2 / fan_in) keeps the variance of ReLU
+    # activations constant from layer to layer.
+    return (_rng(rng).standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
+
+
+def _gemm(dtype):
+    return sgemm if np.dtype(dtype) == np.float32 else dgemm
+
+
+class Module:
+    """Base class: parameter/child discovery, modes, gradients, state."""
+
+    #: names of plain-array attributes that belong in the state_dict
+    #: (BatchNorm's running statistics).
+    _buffer_names = ()
+    #: PyTorch stores some weights with other axis orders: for a parameter
+    #: name, the transpose taking PyTorch's layout to this layer's.
+    _from_torch_axes = {}
+
+    training = True
+    _saved = None
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+    def forward(self, x):
+        raise NotImplementedError
+
+    def backward(self, grad_output):
+        raise NotImplementedError
+
+    # ------------------------------------------------ saving for backward
+
+    def _save_for_backward(self, **arrays):
+        self._saved = arrays if _grad_enabled.get() else None
+
+    def _saved_for_backward(self):
+        if self._saved is None:
+            raise RuntimeError(f"{type(self).__name__}.backward() needs a forward() run "
+                               "outside no_grad() first")
+        return self._saved
+
+    # ------------------------------------------------------- structure
+
+    def named_children(self):
+        """(name, module) for each direct sub-module, in assignment order."""
+        return [(name, value) for name, value in vars(self).items() if isinstance(value, Module)]
+
+    def named_modules(self, prefix=""):
+        """(dotted name, module) for this module (named prefix) and every
+        descendant, parents before children."""
+        yield prefix, self
+        for name, child in self.named_children():
+            yield from child.named_modules(_join(prefix, name))
+
+    def _own_parameters(self):
+        return [(name, value) for name, value in vars(self).items()
+                if isinstance(value, Parameter)]
+
+    def _own_buffers(self):
+        return [(name, getattr(self, name)) for name in self._buffer_names
+                if getattr(self, name) is not None]
+
+    def _own_state(self):
+        parameters = [(name, param.data) for name, param in self._own_parameters()]
+        return parameters + self._own_buffers()
+
+    def _named(self, own):
+        """(dotted name, item) for the items own(module) lists, over this
+        module and its descendants."""
+        for prefix, module in self.named_modules():
+            for name, item in own(module):
+                yield _join(prefix, name), item
+
+    def named_parameters(self):
+        """(dotted name, Parameter) for every parameter, PyTorch's names."""
+        return self._named(Module._own_parameters)
+
+    def parameters(self):
+        """Every Parameter (give these to the optimizer)."""
+        return [param for _, param in self.named_parameters()]
+
+    def named_buffers(self):
+        return self._named(Module._own_buffers)
+
+    def _conv_bn_pairs(self):
+        """(conv name, batchnorm name) pairs of children where forward feeds
+        the conv's output straight into the batchnorm: what fold_batchnorms
+        may fold.  Only the module's own forward knows its data flow."""
+        return ()
+
+    # --------------------------------------------------------- modes etc.
+
+    def train(self, mode=True):
+        for _, module in self.named_modules():
+            module.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self):
+        for param in self.parameters():
+            param.grad = None
+
+    def astype(self, dtype):
+        """Cast every parameter and buffer to dtype, in place; returns self."""
+        for _, module in self.named_modules():
+            for _, param in module._own_parameters():
+                param.data = param.data.astype(dtype)
+                param.grad = None
+            for name, buffer in module._own_buffers():
+                setattr(module, name, buffer.astype(dtype))
+        return self
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self):
+        """{dotted name: array} of parameters and buffers (the arrays
+        themselves, not copies), named as PyTorch names them."""
+        return dict(self._named(Module._own_state))
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy arrays into the parameters and buffers, in place and cast to
+        their dtype.  With strict, missing or unexpected keys are an error;
+        a shape mismatch always is."""
+        targets = self.state_dict()
+        if strict:
+            missing = [k for k in targets if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in targets]
+            if missing or unexpected:
+                raise KeyError(f"load_state_dict: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+        updates = [(name, target, np.asarray(state_dict[name]))
+                   for name, target in targets.items() if name in state_dict]
+        for name, target, value in updates:  # check everything before changing anything
+            if value.shape != target.shape:
+                raise ValueError(f"load_state_dict: {name} has shape {value.shape}, "
+                                 f"the module expects {target.shape}")
+        for _, target, value in updates:
+            target[...] = value
+
+    def save(self, path):
+        """Write the state_dict to an .npz file."""
+        np.savez(path, **self.state_dict())
+
+    def load(self, path):
+        """Load a state_dict written by save()."""
+        with np.load(path) as archive:
+            self.load_state_dict({name: archive[name] for name in archive.files})
+        return self
+
+    # ------------------------------------------------------------- repr
+
+    def extra_repr(self):
+        return ""
+
+    def __repr__(self):
+        children = self.named_children()
+        if not children:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        lines = [f"  ({name}): " + repr(child).replace("\n", "\n  ") for name, child in children]
+        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
+
+
+# ------------------------------------------------------------ convolutions
+
+class _Conv(Module):
+    """What Conv2d and ConvTranspose2d share: Kaiming-normal weight with
+    fan_in = in_channels/groups * KH * KW, zero bias, and forward/backward
+    through a fastconv function pair."""
+    _from_torch_axes = {"weight": (0, 2, 3, 1)}  # kernel axes before the channel axis
+    _forward_function = _backward_function = None  # set by the subclasses
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                 groups, bias, dtype, rng):
+        kh, kw = _args.positive_pair(kernel_size, "kernel_size")
+        groups = _args.positive_int(groups, "groups")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"groups={groups} must divide in_channels={in_channels} "
+                             f"and out_channels={out_channels}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.padding, self.groups = (kh, kw), padding, groups
+        self.stride = _args.positive_pair(stride, "stride")
+        self.dilation = _args.positive_pair(dilation, "dilation")
+        fan_in = in_channels // groups * kh * kw
+        self.weight = Parameter(_kaiming_normal(self._weight_shape(), fan_in, dtype, rng))
+        self.bias = Parameter(np.zeros(out_channels, dtype)) if bias else None
+
+    def forward(self, x):
+        self._save_for_backward(x=x)
+        bias = None if self.bias is None else self.bias.data
+        return self._forward_function(x, self.weight.data, bias, **self._geometry())
+
+    def backward(self, grad_output):
+        x = self._saved_for_backward()["x"]
+        grad_x, grad_w, grad_b = self._backward_function(
+            grad_output, x, self.weight.data, **self._geometry(),
+            output_mask=(True, True, self.bias is not None))
+        self.weight.accumulate(grad_w)
+        if self.bias is not None:
+            self.bias.accumulate(grad_b)
+        return grad_x
+
+    def extra_repr(self):
+        geometry = ", ".join(f"{k}={v!r}" for k, v in self._geometry().items())
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"{geometry}, bias={self.bias is not None}")
+
+
+class Conv2d(_Conv):
+    """2-D convolution of NHWC images, torch.nn.Conv2d's arguments.
+
+    weight: (out_channels, KH, KW, in_channels/groups) (PyTorch's OIHW with
+    the channel axis last), Kaiming normal (std = sqrt(2 / fan_in), fan_in =
+    in_channels/groups * KH * KW); bias zero.  padding: any form
+    fastconv.conv2d takes (int, pair, per-side pairs, "valid", "same");
+    padding_mode: zeros/reflect/replicate/circular.  rng: seed or numpy
+    Generator for the initial weights.
+    """
+    _forward_function = staticmethod(conv2d)
+    _backward_function = staticmethod(conv2d_backward)
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 dilation=1, groups=1, bias=True, padding_mode="zeros", *,
+                 dtype=np.float32, rng=None):
+        self.padding_mode = _args.choice(padding_mode, "padding_mode", _args.PADDING_MODES)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, dtype, rng)
+
+    def _weight_shape(self):
+        return (self.out_channels, *self.kernel_size, self.in_channels // self.groups)
+
+    def _geometry(self):
+        return dict(stride=self.stride, padding=self.padding, dilation=self.dilation,
+                    groups=self.groups, padding_mode=self.padding_mode)
+
+
+class ConvTranspose2d(_Conv):
+    """2-D transposed convolution of NHWC images, torch.nn.ConvTranspose2d's
+    arguments (zero padding only, as in PyTorch).
+
+    weight: (in_channels, KH, KW, out_channels/groups) (PyTorch's (in,
+    out/groups, KH, KW) with the channel axis last).  Kaiming normal with
+    fan_in = in_channels/groups * KH * KW, the number of inputs each output
+    sums at stride 1; bias zero.
+    """
+    _forward_function = staticmethod(conv_transpose2d)
+    _backward_function = staticmethod(conv_transpose2d_backward)
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups=1, bias=True, dilation=1, *,
+                 dtype=np.float32, rng=None):
+        self.output_padding = _args.int_pair(output_padding, "output_padding")
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, dtype, rng)
+
+    def _weight_shape(self):
+        return (self.in_channels, *self.kernel_size, self.out_channels // self.groups)
+
+    def _geometry(self):
+        return dict(stride=self.stride, padding=self.padding,
+                    output_padding=self.output_padding, groups=self.groups,
+                    dilation=self.dilation)
+
+
+# ------------------------------------------------------------------ linear
+
+class Linear(Module):
+    """y = x @ weight.T + bias on fastconv's GEMM.
+
+    weight: (out_features, in_features), PyTorch's layout (loads without
+    conversion).  x: (..., in_features).  Kaiming normal (fan_in =
+    in_features), zero bias.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, dtype=np.float32, rng=None):
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(_kaiming_normal((out_features, in_features), in_features,
+                                                dtype, rng))
+        self.bias = Parameter(np.zeros(out_features, dtype)) if bias else None
+
+    def forward(self, x):
+        x = np.asarray(x)
+        rows = x.reshape(-1, self.in_features)
+        self._save_for_backward(rows=rows, in_shape=x.shape)
+        y = _gemm(self.weight.dtype)(1.0, rows, self.weight.data, trans_b=True)
+        if self.bias is not None:
+            y += self.bias.data
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def backward(self, grad_output):
+        saved = self._saved_for_backward()
+        gemm = _gemm(self.weight.dtype)
+        grad_rows = np.asarray(grad_output).reshape(-1, self.out_features)
+        self.weight.accumulate(gemm(1.0, grad_rows, saved["rows"], trans_a=True))
+        if self.bias is not None:
+            self.bias.accumulate(grad_rows.sum(axis=0))
+        return gemm(1.0, grad_rows, self.weight.data).reshape(saved["in_shape"])
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+# -------------------------------------------------------- simple layers
+
+class ReLU(Module):
+    def forward(self, x):
+        y = np.maximum(x, 0)
+        self._save_for_backward(y=y)  # y > 0 where the input was
+        return y
+
+    def backward(self, grad_output):
+        return grad_output * (self._saved_for_backward()["y"] > 0)
+
+
+class Identity(Module):
+    def forward(self, x):
+        return x
+
+    def backward(self, grad_output):
+        return grad_output
+
+
+class Flatten(Module):
+    """(N, H, W, C) -> (N, H*W*C), in NHWC order.  PyTorch flattens NCHW as
+    C*H*W: a Linear after a Flatten of a map larger than 1x1 needs its
+    input columns permuted to take PyTorch weights."""
+
+    def forward(self, x):
+        self._save_for_backward(in_shape=x.shape)
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, grad_output):
+        return grad_output.reshape(self._saved_for_backward()["in_shape"])
+
+
+# ----------------------------------------------------------------- pooling
+
+def _pool_output_hw(in_hw, kernel, stride, padding, dilation):
+    pads = tuple((p, p) for p in padding)
+    return _args.conv_output_hw(in_hw, kernel, stride, pads, dilation, "kernel_size")
+
+
+def _tap_windows(kernel, stride, dilation, out_hw):
+    """For each kernel tap, the index of the padded-input pixels it reads,
+    one per output pixel.  Pooling loops over these KH*KW taps, each a
+    whole-batch strided slice, never over pixels."""
+    (kh, kw), (sh, sw), (dh, dw), (oh, ow) = kernel, stride, dilation, out_hw
+    for i in range(kh):
+        for j in range(kw):
+            yield (slice(None), slice(i * dh, i * dh + sh * (oh - 1) + 1, sh),
+                   slice(j * dw, j * dw + sw * (ow - 1) + 1, sw))
+
+
+def _pad_hw(x, padding, value):
+    ph, pw = padding
+    if ph == pw == 0:
+        return x
+    return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=value)
+
+
+def _crop_hw(x, padding):
+    ph, pw = padding
+    return x[:, ph:x.shape[1] - ph, pw:x.shape[2] - pw]
+
+
+class _Pool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
+        self.kernel_size = _args.positive_pair(kernel_size, "kernel_size")
+        self.stride = self.kernel_size if stride is None else _args.positive_pair(stride, "stride")
+        self.padding = _args.int_pair(padding, "padding")
+        self.dilation = _args.positive_pair(dilation, "dilation")
+        if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
+            raise ValueError(f"padding {self.padding} must be at most half the kernel "
+                             f"size {self.kernel_size}")
+
+    def _windows(self, in_hw):
+        """(output (OH, OW), _tap_windows for it)."""
+        out_hw = _pool_output_hw(in_hw, self.kernel_size, self.stride, self.padding,
+                                 self.dilation)
+        return out_hw, _tap_windows(self.kernel_size, self.stride, self.dilation, out_hw)
+
+    def _input_grad(self, in_shape, window_grads, dtype):
+        """The adjoint of reading the windows: window_grads gives, tap by tap,
+        the gradient of what that tap read; returns the input's gradient."""
+        n, h, w, c = in_shape
+        ph, pw = self.padding
+        grad_padded = np.zeros((n, h + 2 * ph, w + 2 * pw, c), dtype)
+        _, windows = self._windows((h, w))
+        for window, grad in zip(windows, window_grads):
+            # One tap's windows read distinct pixels, so this += never adds
+            # twice into one element.
+            grad_padded[window] += grad
+        return _crop_hw(grad_padded, self.padding)
+
+    def extra_repr(self):
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}")
+
+
+class MaxPool2d(_Pool2d):
+    """Max over KH x KW windows of NHWC images (torch.nn.MaxPool2d without
+    ceil_mode): padding is -inf, ties go to the first tap in row-major
+    order, NaN propagates.  stride defaults to kernel_size."""
+
+    def forward(self, x):
+        padded = _pad_hw(x, self.padding, -np.inf)
+        _, windows = self._windows(x.shape[1:3])
+        best = padded[next(windows)].copy()
+        # Which tap won, for backward only (inference skips it).
+        winner = np.zeros(best.shape, np.uint16) if _grad_enabled.get() else None
+        for tap, window in enumerate(windows, start=1):
+            values = padded[window]
+            if winner is not None:
+                winner[(values > best) | np.isnan(values)] = tap
+            np.maximum(best, values, out=best)  # propagates NaN
+        self._save_for_backward(winner=winner, in_shape=x.shape)
+        return best
+
+    def backward(self, grad_output):
+        saved = self._saved_for_backward()
+        winner, taps = saved["winner"], self.kernel_size[0] * self.kernel_size[1]
+        return self._input_grad(saved["in_shape"],
+                                (np.where(winner == tap, grad_output, 0) for tap in range(taps)),
+                                grad_output.dtype)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", dilation={self.dilation}"
+
+
+class AvgPool2d(_Pool2d):
+    """Mean over KH x KW windows of NHWC images (torch.nn.AvgPool2d without
+    ceil_mode).  count_include_pad: whether zero padding counts in the
+    divisor.  stride defaults to kernel_size."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, count_include_pad=True):
+        super().__init__(kernel_size, stride, padding)
+        self.count_include_pad = count_include_pad
+
+    def _divisor(self, in_hw, dtype):
+        """How many pixels each window averages: a scalar, or (OH, OW, 1)
+        when padding does not count."""
+        if self.count_include_pad:
+            return np.asarray(self.kernel_size[0] * self.kernel_size[1], dtype)
+        out_hw, _ = self._windows(in_hw)
+        counts = []  # per axis: the window's overlap with the unpadded input
+        for size, out, k, s, p in zip(in_hw, out_hw, self.kernel_size, self.stride, self.padding):
+            start = np.arange(out) * s - p
+            counts.append(np.clip(start + k, 0, size) - np.clip(start, 0, size))
+        return np.multiply.outer(*counts)[..., None].astype(dtype)
+
+    def forward(self, x):
+        padded = _pad_hw(x, self.padding, 0)
+        _, windows = self._windows(x.shape[1:3])
+        total = padded[next(windows)].copy()
+        for window in windows:
+            total += padded[window]
+        self._save_for_backward(in_shape=x.shape)
+        return total / self._divisor(x.shape[1:3], x.dtype)
+
+    def backward(self, grad_output):
+        in_shape = self._saved_for_backward()["in_shape"]
+        share = grad_output / self._divisor(in_shape[1:3], grad_output.dtype)
+        return self._input_grad(in_shape, itertools.repeat(share), grad_output.dtype)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", count_include_pad={self.count_include_pad}"
+
+
+def _adaptive_pool_matrix(size, out, dtype):
+    """(out, size) matrix averaging PyTorch's adaptive bins: output i covers
+    input [floor(i*size/out), ceil((i+1)*size/out))."""
+    i = np.arange(out)
+    start = i * size // out
+    end = -(-(i + 1) * size // out)
+    pixel = np.arange(size)
+    inside = (pixel >= start[:, None]) & (pixel < end[:, None])
+    return (inside / (end - start)[:, None]).astype(dtype)
+
+
+class AdaptiveAvgPool2d(Module):
+    """Average NHWC images down to output_size (int or (OH, OW)), with
+    PyTorch's bins.  Averaging is separable: rows then columns, each a
+    small averaging matrix, which covers overlapping bins too."""
+
+    def __init__(self, output_size):
+        self.output_size = _args.positive_pair(output_size, "output_size")
+
+    def _matrices(self, in_hw, dtype):
+        return [_adaptive_pool_matrix(size, out, dtype)
+                for size, out in zip(in_hw, self.output_size)]
+
+    def forward(self, x):
+        self._save_for_backward(in_shape=x.shape)
+        rows, cols = self._matrices(x.shape[1:3], x.dtype)
+        return np.einsum("ih,nhwc,jw->nijc", rows, x, cols, optimize=True)
+
+    def backward(self, grad_output):
+        in_shape = self._saved_for_backward()["in_shape"]
+        rows, cols = self._matrices(in_shape[1:3], grad_output.dtype)
+        return np.einsum("ih,nijc,jw->nhwc", rows, grad_output, cols, optimize=True)
+
+    def extra_repr(self):
+        return f"output_size={self.output_size}"
+
+
+# ----------------------------------------------------------- batch norm
+
+class BatchNorm2d(Module):
+    """Batch normalisation over the channel (last) axis of NHWC images,
+    torch.nn.BatchNorm2d semantics.
+
+    Training: normalise by the batch mean and biased variance, and update
+    running_mean / running_var (unbiased variance) as (1 - momentum) *
+    running + momentum * batch.  Evaluation: normalise by the running
+    statistics (by the batch's if track_running_stats is False).
+    Statistics and parameter gradients are summed in float64 whatever the
+    dtype: float32 sums over many pixels lose digits.
+    """
+    _buffer_names = ("running_mean", "running_var")
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, *, dtype=np.float32):
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = Parameter(np.ones(num_features, dtype)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, dtype)) if affine else None
+        self.running_mean = np.zeros(num_features, dtype) if track_running_stats else None
+        self.running_var = np.ones(num_features, dtype) if track_running_stats else None
+
+    def _running_inv_std(self):
+        return 1.0 / np.sqrt(self.running_var.astype(np.float64) + self.eps)
+
+    def inference_scale_shift(self):
+        """float64 per-channel (scale, shift) such that eval-mode output is
+        x * scale + shift."""
+        inv_std = self._running_inv_std()
+        scale = inv_std if self.weight is None else inv_std * self.weight.data
+        shift = -self.running_mean * scale
+        return scale, shift if self.bias is None else shift + self.bias.data
+
+    def forward(self, x):
+        if not self.training and self.running_mean is not None:
+            return self._forward_running_stats(x)
+        pixels = x.reshape(-1, self.num_features)
+        count = pixels.shape[0]
+        mean = pixels.mean(axis=0, dtype=np.float64)
+        centered = x - mean.astype(x.dtype)
+        var = np.square(centered).reshape(count, -1).mean(axis=0, dtype=np.float64)
+        inv_std = 1.0 / np.sqrt(var + self.eps)
+        if self.training and self.running_mean is not None:
+            m = self.momentum
+            unbiased_var = var * count / max(count - 1, 1)
+            self.running_mean[...] = (1 - m) * self.running_mean + m * mean
+            self.running_var[...] = (1 - m) * self.running_var + m * unbiased_var
+        normalized = centered
+        normalized *= inv_std.astype(x.dtype)
+        self._save_for_backward(normalized=normalized, inv_std=inv_std, batch_stats=True)
+        if self.weight is None:
+            return normalized
+        return normalized * self.weight.data + self.bias.data
+
+    def _forward_running_stats(self, x):
+        scale, shift = self.inference_scale_shift()
+        scale = scale.astype(x.dtype)
+        self._save_for_backward(x=x, scale=scale, batch_stats=False)
+        y = x * scale
+        y += shift.astype(x.dtype)
+        return y
+
+    def _affine_grads(self, grad_rows, normalized_rows):
+        """Per-channel sum(grad) and sum(grad * normalized) in float64;
+        these are the bias and weight gradients."""
+        grad_sum = grad_rows.sum(axis=0, dtype=np.float64)
+        grad_dot_normalized = np.einsum("pc,pc->c", grad_rows, normalized_rows,
+                                        dtype=np.float64)
+        if self.weight is not None:
+            self.weight.accumulate(grad_dot_normalized.astype(self.weight.dtype))
+            self.bias.accumulate(grad_sum.astype(self.bias.dtype))
+        return grad_sum, grad_dot_normalized
+
+    def backward(self, grad_output):
+        saved = self._saved_for_backward()
+        grad_rows = grad_output.reshape(-1, self.num_features)
+        dtype = grad_output.dtype
+        if not saved["batch_stats"]:  # a fixed affine map per channel
+            if self.weight is not None:
+                inv_std = self._running_inv_std().astype(dtype)
+                normalized = (saved["x"] - self.running_mean) * inv_std
+                self._affine_grads(grad_rows, normalized.reshape(grad_rows.shape))
+            return grad_output * saved["scale"]
+        normalized, inv_std = saved["normalized"], saved["inv_std"]
+        count = grad_rows.shape[0]
+        grad_sum, grad_dot_normalized = self._affine_grads(
+            grad_rows, normalized.reshape(grad_rows.shape))
+        gamma = 1.0 if self.weight is None else self.weight.data.astype(np.float64)
+        # The gradient of gamma * (x - mean) / std, with mean and std taken
+        # over the batch: remove the gradient's per-channel mean and its
+        # projection on the normalised input, then scale.
+        grad_x = grad_output - (grad_sum / count).astype(dtype)
+        grad_x -= normalized * (grad_dot_normalized / count).astype(dtype)
+        grad_x *= (gamma * inv_std).astype(dtype)
+        return grad_x
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.weight is not None}, "
+                f"track_running_stats={self.running_mean is not None}")
+
+
+# ------------------------------------------------------------- containers
+
+class Sequential(Module):
+    """Runs its layers in order; backward runs their backwards in reverse.
+
+    Sequential(a, b, c) names the children "0", "1", "2" (PyTorch's
+    state_dict keys); Sequential({"conv1": a, "bn1": b}) names them by the
+    dict's keys, in its order.
+    """
+
+    def __init__(self, *layers):
+        if len(layers) == 1 and isinstance(layers[0], dict):
+            named = layers[0].items()
+        else:
+            named = ((str(i), layer) for i, layer in enumerate(layers))
+        for name, layer in named:
+            self.append(layer, name)
+
+    def append(self, layer, name=None):
+        if not isinstance(layer, Module):
+            raise TypeError(f"Sequential takes Modules; got {type(layer).__name__}")
+        setattr(self, str(len(self)) if name is None else name, layer)
+        return self
+
+    def __len__(self):
+        return len(self.named_children())
+
+    def __iter__(self):
+        return iter([layer for _, layer in self.named_children()])
+
+    def __getitem__(self, index):
+        return list(self)[index]
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+    def backward(self, grad_output):
+        for layer in reversed(list(self)):
+            grad_output = layer.backward(grad_output)
+        return grad_output
+
+    def _conv_bn_pairs(self):
+        children = self.named_children()
+        return [(conv_name, bn_name)
+                for (conv_name, conv), (bn_name, bn) in zip(children, children[1:])
+                if isinstance(conv, Conv2d) and isinstance(bn, BatchNorm2d)]
+
+
+class BasicBlock(Module):
+    """ResNet-18/34's residual block (He et al. 2016), PyTorch's names:
+
+        relu2(bn2(conv2(relu1(bn1(conv1(x))))) + shortcut(x))
+
+    conv1 is 3x3 with the given stride, conv2 3x3, both without bias.
+    shortcut is x, or downsample(x) when a downsample module is given (see
+    BasicBlock.projection, needed when stride > 1 or the channels change).
+    """
+
+    def __init__(self, in_channels, out_channels, stride=1, downsample=None, *,
+                 dtype=np.float32, rng=None):
+        rng = _rng(rng)
+        self.conv1 = Conv2d(in_channels, out_channels, 3, stride, 1, bias=False,
+                            dtype=dtype, rng=rng)
+        self.bn1 = BatchNorm2d(out_channels, dtype=dtype)
+        self.relu1 = ReLU()
+        self.conv2 = Conv2d(out_channels, out_channels, 3, 1, 1, bias=False,
+                            dtype=dtype, rng=rng)
+        self.bn2 = BatchNorm2d(out_channels, dtype=dtype)
+        self.downsample = downsample
+        self.relu2 = ReLU()
+
+    @staticmethod
+    def projection(in_channels, out_channels, stride=1, *, dtype=np.float32, rng=None):
+        """The usual downsample: 1x1 conv (no bias) with the block's stride
+        and a BatchNorm2d, as Sequential children "0" and "1"."""
+        return Sequential(Conv2d(in_channels, out_channels, 1, stride, bias=False,
+                                 dtype=dtype, rng=rng),
+                          BatchNorm2d(out_channels, dtype=dtype))
+
+    def forward(self, x):
+        shortcut = x if self.downsample is None else self.downsample(x)
+        out = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.bn2(self.conv2(out)) + shortcut)
+
+    def backward(self, grad_output):
+        grad_sum = self.relu2.backward(grad_output)
+        grad = self.bn2.backward(grad_sum)
+        grad = self.relu1.backward(self.conv2.backward(grad))
+        grad_x = self.conv1.backward(self.bn1.backward(grad))
+        grad_x += grad_sum if self.downsample is None else self.downsample.backward(grad_sum)
+        return grad_x
+
+    def _conv_bn_pairs(self):
+        return [("conv1", "bn1"), ("conv2", "bn2")]
+
+
+# ------------------------------------------------------------------- loss
+
+class CrossEntropyLoss(Module):
+    """Mean cross-entropy of (N, classes) logits against integer labels
+    (torch.nn.CrossEntropyLoss).  loss(logits, labels) returns a float;
+    backward() returns the gradient with respect to the logits."""
+
+    def forward(self, logits, labels):
+        labels = np.asarray(labels)
+        shifted = logits - logits.max(axis=1, keepdims=True)  # exp cannot overflow
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        rows = np.arange(len(labels))
+        self._save_for_backward(log_probs=log_probs, rows=rows, labels=labels)
+        return float(-log_probs[rows, labels].mean())
+
+    def backward(self, grad_output=1.0):
+        saved = self._saved_for_backward()
+        grad = np.exp(saved["log_probs"])
+        grad[saved["rows"], saved["labels"]] -= 1
+        grad *= grad_output / len(saved["rows"])
+        return grad
+
+
+# -------------------------------------------------------------- optimizer
+
+class SGD:
+    """Stochastic gradient descent with torch.optim.SGD's semantics:
+
+        g = grad + weight_decay * param
+        v = g (first step), then v = momentum * v + (1 - dampening) * g
+        step = g + momentum * v if nesterov else v   (g if momentum == 0)
+        param -= lr * step
+
+    params: Parameters (module.parameters()); those without a gradient are
+    skipped.  lr may be changed between steps.
+    """
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError("lr, momentum and weight_decay must be non-negative")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        self.params = list(params)
+        self.lr, self.momentum, self.dampening = lr, momentum, dampening
+        self.weight_decay, self.nesterov = weight_decay, nesterov
+        self._velocity = [None] * len(self.params)
+
+    def zero_grad(self):
+        for param in self.params:
+            param.grad = None
+
+    def step(self):
+        for i, param in enumerate(self.params):
+            if param.grad is None:
+                continue
+            step = param.grad
+            if self.weight_decay:
+                step = step + self.weight_decay * param.data
+            if self.momentum:
+                velocity = self._velocity[i]
+                if velocity is None:
+                    velocity = self._velocity[i] = np.array(step, copy=True)
+                else:
+                    velocity *= self.momentum
+                    velocity += (1 - self.dampening) * step
+                step = step + self.momentum * velocity if self.nesterov else velocity
+            param.data -= self.lr * step
+
+
+# -------------------------------------------------- batchnorm folding
+
+def fold_batchnorm(conv, bn):
+    """A new Conv2d computing ``bn(conv(x))`` for bn in eval mode: the
+    running statistics and affine parameters become a per-output-channel
+    scale of the weight and a bias.  conv and bn are left unchanged."""
+    if not isinstance(conv, Conv2d) or not isinstance(bn, BatchNorm2d):
+        raise TypeError("fold_batchnorm takes a Conv2d and a BatchNorm2d")
+    if bn.running_mean is None:
+        raise ValueError("fold_batchnorm needs a BatchNorm2d with running statistics")
+    if bn.num_features != conv.out_channels:
+        raise ValueError(f"BatchNorm2d has {bn.num_features} features, the conv "
+                         f"{conv.out_channels} output channels")
+    scale, shift = bn.inference_scale_shift()
+    dtype = conv.weight.dtype
+    folded = copy.copy(conv)  # same geometry; fresh parameters, nothing saved
+    folded._saved = None
+    folded.weight = Parameter((conv.weight.data * scale[:, None, None, None]).astype(dtype))
+    bias = shift if conv.bias is None else conv.bias.data * scale + shift
+    folded.bias = Parameter(bias.astype(dtype))
+    return folded
+
+
+def fold_batchnorms(model):
+    """Fold every BatchNorm2d that directly follows a Conv2d (consecutive
+    Sequential children, BasicBlock's conv/bn pairs) into the conv, in
+    place; the batchnorms become Identity.  For inference: the result
+    computes what model computes in eval mode, one pass over memory
+    cheaper per convolution.  Returns model."""
+    for _, module in list(model.named_modules()):
+        for conv_name, bn_name in module._conv_bn_pairs():
+            conv, bn = getattr(module, conv_name), getattr(module, bn_name)
+            if (isinstance(conv, Conv2d) and isinstance(bn, BatchNorm2d)
+                    and bn.running_mean is not None):
+                setattr(module, conv_name, fold_batchnorm(conv, bn))
+                setattr(module, bn_name, Identity())
+    return model
+
+
+# ----------------------------------------------------- PyTorch weights
+
+def _torch_layout_axes(module):
+    """{state_dict key: axes taking PyTorch's layout to ours} for the
+    parameters whose layouts differ."""
+    return {_join(prefix, name): axes
+            for prefix, child in module.named_modules()
+            for name, axes in child._from_torch_axes.items()}
+
+
+def _as_numpy(value):
+    # Duck-typed so that fastconv never imports torch: a tensor is detached
+    # and moved to the CPU before numpy reads it.
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+    return np.asarray(value)
+
+
+def load_torch_state_dict(module, state_dict, strict=True):
+    """Load PyTorch weights into a fastconv.nn module of the same structure.
+
+    state_dict: a PyTorch state_dict (tensors or numpy arrays), any mapping
+    of the same keys, or the path of an .npz holding one.  Keys are
+    PyTorch's (``conv1.weight``, ``bn1.running_var``, ``layer1.0.conv2.weight``,
+    ``fc.bias``...), which this module's own state_dict keys match when it
+    is built like the PyTorch model (children named and ordered alike;
+    Sequential children by index).  Conv weights are transposed from OIHW
+    to OHWI (transposed convs from (I, O/g, KH, KW) to (I, KH, KW, O/g));
+    Linear and BatchNorm tensors load as they are; BatchNorm's
+    ``num_batches_tracked`` is ignored.  Values are cast to the module's
+    dtype.  Returns module.
+
+    Example (the exporting side needs torch, the loading side does not)::
+
+        # with torch:
+        np.savez("resnet18.npz", **{k: v.numpy() for k, v in torch_model.state_dict().items()})
+        # without torch:
+        from fastconv import models, nn
+        model = nn.load_torch_state_dict(models.resnet18(), "resnet18.npz").eval()
+        logits = model(images_nhwc)
+
+    Flatten is NHWC-ordered: a Linear fed by a flattened map larger than
+    1x1 needs its weight columns permuted from PyTorch's (C, H, W) order.
+    """
+    if isinstance(state_dict, (str, os.PathLike)):
+        with np.load(state_dict) as archive:
+            state = {name: archive[name] for name in archive.files}
+    else:
+        state = {name: _as_numpy(value) for name, value in state_dict.items()}
+    state = {name: value for name, value in state.items()
+             if name.rsplit(".", 1)[-1] != "num_batches_tracked"}
+    for name, axes in _torch_layout_axes(module).items():
+        if name in state:
+            if state[name].ndim != len(axes):
+                raise ValueError(f"load_torch_state_dict: {name} must be {len(axes)}-D; "
+                                 f"got shape {state[name].shape}")
+            state[name] = state[name].transpose(axes)
+    module.load_state_dict(state, strict=strict)
+    return module
+
+
+def to_torch_state_dict(module):
+    """The module's state_dict as contiguous numpy arrays in PyTorch's
+    layouts (the inverse of load_torch_state_dict): pass it through
+    torch.from_numpy to load a PyTorch model of the same structure."""
+    axes = _torch_layout_axes(module)
+    return {name: np.ascontiguousarray(value.transpose(np.argsort(axes[name]))
+                                       if name in axes else value)
+            for name, value in module.state_dict().items()}

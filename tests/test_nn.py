@@ -1,0 +1,485 @@
+"""fastconv.nn and fastconv.models: every layer's backward against central
+differences and against PyTorch autograd (float64), BatchNorm statistics,
+SGD against torch.optim.SGD, state_dict / save / load, PyTorch weight
+loading, BatchNorm folding, and a whole ResNet-18 training step against
+PyTorch."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fastconv
+from fastconv import models, nn
+
+REPO = pathlib.Path(fastconv.__file__).resolve().parents[1]
+F64 = np.float64
+
+
+def load_example(name):
+    """An examples/ script imported as a module (its main() is not run)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def nchw(x):
+    """NHWC numpy array -> NCHW tensor (other ranks unchanged)."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.permute(0, 3, 1, 2) if t.dim() == 4 else t
+
+
+def nhwc(t):
+    """NCHW tensor -> NHWC numpy array (other ranks unchanged)."""
+    t = t.detach()
+    return (t.permute(0, 2, 3, 1) if t.dim() == 4 else t).numpy()
+
+
+def torch_copy(module, torch_module):
+    """torch_module with module's parameters and buffers."""
+    state = {k: torch.from_numpy(v) for k, v in nn.to_torch_state_dict(module).items()}
+    torch_module.load_state_dict(state, strict=False)
+    return torch_module
+
+
+def grads_in_torch_layout(module):
+    axes = nn._torch_layout_axes(module)
+    return {name: (p.grad.transpose(np.argsort(axes[name])) if name in axes else p.grad)
+            for name, p in module.named_parameters()}
+
+
+# ------------------------------------------------------- layers under test
+
+class Case:
+    """A fastconv layer, the PyTorch module computing the same function
+    (None if there is none to compare with), and an input shape (NHWC)."""
+
+    def __init__(self, name, make, make_torch, shape, train=True):
+        self.name, self.make, self.make_torch = name, make, make_torch
+        self.shape, self.train = shape, train
+
+    def __repr__(self):
+        return self.name
+
+
+class TorchBasicBlock(torch.nn.Module):
+    """Created lazily from examples/export_torch_resnet18.py."""
+
+    def __new__(cls, *args):
+        return load_example("export_torch_resnet18").BasicBlock(*args).double()
+
+
+def _bn_with_statistics(num_features, affine=True):
+    bn = nn.BatchNorm2d(num_features, affine=affine, dtype=F64)
+    bn.running_mean[:] = randn(num_features, seed=5) * 0.3
+    bn.running_var[:] = 0.5 + np.random.default_rng(6).random(num_features)
+    if affine:
+        bn.weight.data[:] = 1 + randn(num_features, seed=7) * 0.2
+        bn.bias.data[:] = randn(num_features, seed=8) * 0.2
+    return bn
+
+
+T = torch.nn
+CASES = [
+    Case("conv-stride2-pad1", lambda: nn.Conv2d(3, 4, 3, 2, 1, dtype=F64, rng=1),
+         lambda: T.Conv2d(3, 4, 3, 2, 1).double(), (2, 7, 6, 3)),
+    Case("conv-same-dilated-groups-nobias",
+         lambda: nn.Conv2d(4, 6, (3, 2), 1, "same", 2, 2, bias=False, dtype=F64, rng=2),
+         lambda: T.Conv2d(4, 6, (3, 2), 1, "same", 2, 2, bias=False).double(), (2, 7, 6, 4)),
+    Case("conv-reflect", lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="reflect",
+                                           dtype=F64, rng=3),
+         lambda: T.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="reflect").double(),
+         (2, 5, 6, 3)),
+    Case("conv-circular-depthwise", lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4,
+                                                      padding_mode="circular", dtype=F64, rng=4),
+         lambda: T.Conv2d(4, 8, 3, padding=1, groups=4, padding_mode="circular").double(),
+         (2, 5, 5, 4)),
+    Case("conv-transpose", lambda: nn.ConvTranspose2d(4, 6, 3, 2, 1, 1, groups=2,
+                                                      dtype=F64, rng=5),
+         lambda: T.ConvTranspose2d(4, 6, 3, 2, 1, 1, groups=2).double(), (2, 4, 3, 4)),
+    Case("linear", lambda: nn.Linear(5, 3, dtype=F64, rng=6),
+         lambda: T.Linear(5, 3).double(), (4, 5)),
+    Case("linear-3d-input-nobias", lambda: nn.Linear(5, 3, bias=False, dtype=F64, rng=7),
+         lambda: T.Linear(5, 3, bias=False).double(), (2, 3, 5)),
+    Case("relu", nn.ReLU, T.ReLU, (2, 4, 5, 3)),
+    Case("maxpool-3-2-1", lambda: nn.MaxPool2d(3, 2, 1), lambda: T.MaxPool2d(3, 2, 1),
+         (2, 7, 6, 3)),
+    Case("maxpool-2", lambda: nn.MaxPool2d(2), lambda: T.MaxPool2d(2), (2, 6, 5, 3)),
+    Case("maxpool-dilated", lambda: nn.MaxPool2d(2, 1, 1, dilation=2),
+         lambda: T.MaxPool2d(2, 1, 1, dilation=2), (1, 5, 6, 2)),
+    Case("avgpool-3-2-1", lambda: nn.AvgPool2d(3, 2, 1), lambda: T.AvgPool2d(3, 2, 1),
+         (2, 7, 6, 3)),
+    Case("avgpool-exclude-pad", lambda: nn.AvgPool2d((3, 2), (2, 1), (1, 1), False),
+         lambda: T.AvgPool2d((3, 2), (2, 1), (1, 1), count_include_pad=False), (2, 7, 6, 3)),
+    Case("adaptive-avgpool-1", lambda: nn.AdaptiveAvgPool2d(1),
+         lambda: T.AdaptiveAvgPool2d(1), (2, 5, 4, 3)),
+    Case("adaptive-avgpool-overlapping", lambda: nn.AdaptiveAvgPool2d((3, 4)),
+         lambda: T.AdaptiveAvgPool2d((3, 4)), (2, 7, 5, 2)),
+    Case("batchnorm-train", lambda: _bn_with_statistics(3),
+         lambda: T.BatchNorm2d(3).double(), (4, 3, 5, 3)),
+    Case("batchnorm-train-no-affine", lambda: _bn_with_statistics(3, affine=False),
+         lambda: T.BatchNorm2d(3, affine=False).double(), (4, 3, 5, 3)),
+    Case("batchnorm-eval", lambda: _bn_with_statistics(3),
+         lambda: T.BatchNorm2d(3).double(), (4, 3, 5, 3), train=False),
+    Case("flatten", nn.Flatten, None, (2, 3, 4, 2)),
+    Case("basic-block-projection",
+         lambda: nn.BasicBlock(4, 6, 2, nn.BasicBlock.projection(4, 6, 2, dtype=F64, rng=8),
+                               dtype=F64, rng=9),
+         lambda: TorchBasicBlock(4, 6, 2), (2, 6, 5, 4)),
+    Case("basic-block-identity-eval", lambda: nn.BasicBlock(4, 4, dtype=F64, rng=10),
+         lambda: TorchBasicBlock(4, 4), (2, 5, 5, 4), train=False),
+    Case("sequential", lambda: nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, dtype=F64, rng=11), nn.BatchNorm2d(4, dtype=F64),
+        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 3, dtype=F64, rng=12)),
+        None, (3, 4, 4, 2)),
+]
+
+
+def central_difference(f, array, coords, eps=1e-6):
+    """d f() / d array at the flat coordinates coords (array is perturbed
+    in place and restored)."""
+    flat = array.reshape(-1)
+    grads = []
+    for i in coords:
+        saved = flat[i]
+        flat[i] = saved + eps
+        up = f()
+        flat[i] = saved - eps
+        down = f()
+        flat[i] = saved
+        grads.append((up - down) / (2 * eps))
+    return np.array(grads)
+
+
+def some_coords(size, rng, at_most=24):
+    return rng.choice(size, min(size, at_most), replace=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_backward_matches_central_differences(case):
+    layer = case.make().train(case.train)
+    x = randn(*case.shape, seed=1)
+    weights = randn(*layer(x).shape, seed=2)  # the loss is sum(weights * layer(x))
+
+    def loss():
+        return float((layer(x) * weights).sum())
+
+    layer.zero_grad()
+    loss()
+    grad_x = layer.backward(weights)
+    analytic = {name: p.grad.copy() for name, p in layer.named_parameters()}
+    rng = np.random.default_rng(3)
+    coords = some_coords(x.size, rng)
+    np.testing.assert_allclose(grad_x.reshape(-1)[coords],
+                               central_difference(loss, x, coords), rtol=1e-5, atol=1e-7)
+    for name, param in layer.named_parameters():
+        coords = some_coords(param.data.size, rng)
+        np.testing.assert_allclose(analytic[name].reshape(-1)[coords],
+                                   central_difference(loss, param.data, coords),
+                                   rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.make_torch], ids=repr)
+def test_forward_and_backward_match_torch(case):
+    layer = case.make().train(case.train)
+    reference = torch_copy(layer, case.make_torch()).train(case.train)
+    x = randn(*case.shape, seed=1)
+    x_torch = nchw(x).requires_grad_()
+    y_torch = reference(x_torch)
+    y = layer(x)
+    np.testing.assert_allclose(y, nhwc(y_torch), rtol=1e-10, atol=1e-12)
+
+    grad_y = randn(*y.shape, seed=2)
+    y_torch.backward(nchw(grad_y))
+    np.testing.assert_allclose(layer.backward(grad_y), nhwc(x_torch.grad),
+                               rtol=1e-9, atol=1e-11)
+    torch_grads = dict(reference.named_parameters())
+    for name, grad in grads_in_torch_layout(layer).items():
+        np.testing.assert_allclose(grad, torch_grads[name].grad.numpy(), rtol=1e-9, atol=1e-11,
+                                   err_msg=name)
+    # Training-mode BatchNorms updated their running statistics alike.
+    torch_state = reference.state_dict()
+    for name, value in layer.named_buffers():
+        np.testing.assert_allclose(value, torch_state[name].numpy(), rtol=1e-12, err_msg=name)
+
+
+def test_cross_entropy_matches_torch():
+    logits, labels = randn(6, 4), np.array([0, 3, 1, 1, 2, 0])
+    loss_fn = nn.CrossEntropyLoss()
+    logits_torch = torch.from_numpy(logits).requires_grad_()
+    loss_torch = torch.nn.functional.cross_entropy(logits_torch, torch.from_numpy(labels))
+    loss_torch.backward()
+    assert loss_fn(logits, labels) == pytest.approx(loss_torch.item(), rel=1e-12)
+    np.testing.assert_allclose(loss_fn.backward(), logits_torch.grad.numpy(), rtol=1e-12)
+
+
+def test_float32_layers_compute_in_float32():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, rng=0), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2, rng=1))
+    x = randn(2, 6, 6, 3).astype(np.float32)
+    y = model(x)
+    assert y.dtype == np.float32
+    assert model.backward(np.ones_like(y)).dtype == np.float32
+    assert all(p.grad.dtype == np.float32 for p in model.parameters())
+    reference = model.astype(F64)(x.astype(F64))
+    np.testing.assert_allclose(y, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_maxpool_ties_and_nan_follow_torch():
+    x = np.zeros((1, 4, 4, 1))
+    x[0, 1, 2, 0] = np.nan
+    layer, reference = nn.MaxPool2d(2), torch.nn.MaxPool2d(2)
+    x_torch = nchw(x).requires_grad_()
+    y_torch = reference(x_torch)
+    np.testing.assert_array_equal(layer(x), nhwc(y_torch))
+    y_torch.backward(torch.ones_like(y_torch))
+    np.testing.assert_array_equal(layer.backward(np.ones((1, 2, 2, 1))), nhwc(x_torch.grad))
+
+
+# ---------------------------------------------------------- batch norm
+
+def test_batchnorm_running_statistics_and_eval_match_torch():
+    bn, reference = nn.BatchNorm2d(5, momentum=0.3), torch.nn.BatchNorm2d(5, momentum=0.3)
+    for step in range(4):
+        x = (randn(8, 4, 3, 5, seed=step) * 3 + 2).astype(np.float32)
+        np.testing.assert_allclose(bn(x), nhwc(reference(nchw(x))), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bn.running_mean, reference.running_mean.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var, reference.running_var.numpy(), rtol=1e-5)
+    bn.eval(), reference.eval()
+    x = randn(2, 3, 3, 5, seed=9).astype(np.float32)
+    np.testing.assert_allclose(bn(x), nhwc(reference(nchw(x))), rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_without_running_statistics_uses_batch_statistics_in_eval():
+    bn = nn.BatchNorm2d(3, track_running_stats=False, dtype=F64).eval()
+    y = bn(randn(4, 3, 3, 3) * 5 + 1)
+    np.testing.assert_allclose(y.mean(axis=(0, 1, 2)), 0, atol=1e-12)
+    assert "running_mean" not in bn.state_dict()
+
+
+# ------------------------------------------------------------------ SGD
+
+@pytest.mark.parametrize("options", [dict(momentum=0.9, weight_decay=1e-2),
+                                     dict(momentum=0.8, dampening=0.3),
+                                     dict(momentum=0.9, nesterov=True, weight_decay=5e-3),
+                                     dict()], ids=str)
+def test_sgd_matches_torch(options):
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, dtype=F64, rng=0),
+                          nn.BatchNorm2d(4, dtype=F64), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 3, dtype=F64, rng=1))
+    reference = torch_copy(model, torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).double())
+    optimizer = nn.SGD(model.parameters(), lr=0.1, **options)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, **options)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(5):
+        x, labels = randn(4, 5, 5, 2, seed=step), np.arange(4) % 3
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), labels)
+        model.backward(loss_fn.backward())
+        optimizer.step()
+        torch_optimizer.zero_grad()
+        torch_loss = torch.nn.functional.cross_entropy(reference(nchw(x)),
+                                                       torch.from_numpy(labels))
+        torch_loss.backward()
+        torch_optimizer.step()
+        assert loss == pytest.approx(torch_loss.item(), rel=1e-10)
+    for name, value in nn.to_torch_state_dict(model).items():
+        np.testing.assert_allclose(value, reference.state_dict()[name].numpy(),
+                                   rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_gradients_accumulate_until_zero_grad():
+    layer = nn.Linear(3, 2, dtype=F64, rng=0)
+    x, g = randn(4, 3), randn(4, 2)
+    layer(x)
+    layer.backward(g)
+    once = layer.weight.grad.copy()
+    layer(x)
+    layer.backward(g)
+    np.testing.assert_allclose(layer.weight.grad, 2 * once)
+    layer.zero_grad()
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
+def test_sgd_rejects_bad_settings():
+    with pytest.raises(ValueError, match="nesterov"):
+        nn.SGD([], lr=0.1, nesterov=True)
+    with pytest.raises(ValueError):
+        nn.SGD([], lr=-1)
+
+
+# --------------------------------------------------- init, modes, state
+
+def test_kaiming_init_is_seeded_and_scaled():
+    a = nn.Conv2d(64, 128, 3, rng=0)
+    b = nn.Conv2d(64, 128, 3, rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+    assert a.weight.shape == (128, 3, 3, 64) and a.weight.dtype == np.float32
+    assert a.weight.data.std() == pytest.approx(np.sqrt(2 / (64 * 9)), rel=0.02)
+    assert not a.bias.data.any()
+    grouped = nn.Conv2d(64, 128, 3, groups=4, rng=1)
+    assert grouped.weight.data.std() == pytest.approx(np.sqrt(2 / (16 * 9)), rel=0.02)
+    linear = nn.Linear(1000, 500, rng=2)
+    assert linear.weight.data.std() == pytest.approx(np.sqrt(2 / 1000), rel=0.02)
+    assert not np.array_equal(nn.Linear(10, 10, rng=1).weight.data,
+                              nn.Linear(10, 10, rng=2).weight.data)
+
+
+def test_train_eval_and_no_grad():
+    model = models.resnet18(num_classes=10, rng=0)
+    assert all(m.training for _, m in model.named_modules())
+    model.eval()
+    assert not any(m.training for _, m in model.named_modules())
+    with nn.no_grad():
+        model(randn(1, 32, 32, 3).astype(np.float32))
+    with pytest.raises(RuntimeError, match="no_grad"):
+        model.backward(np.ones((1, 10), np.float32))
+
+
+def test_state_dict_names_follow_pytorch():
+    model = models.resnet18(rng=0)
+    reference = load_example("export_torch_resnet18").ResNet18()
+    torch_keys = [k for k in reference.state_dict() if not k.endswith("num_batches_tracked")]
+    assert list(model.state_dict()) == torch_keys
+    assert sum(p.data.size for p in model.parameters()) == 11_689_512
+
+
+def test_save_load_round_trip(tmp_path):
+    model = models.resnet18(num_classes=10, rng=0)
+    model.train()
+    model(randn(2, 32, 32, 3).astype(np.float32))  # non-trivial running statistics
+    model.save(tmp_path / "model.npz")
+    restored = models.resnet18(num_classes=10, rng=1).load(tmp_path / "model.npz")
+    for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    x = randn(1, 32, 32, 3, seed=4).astype(np.float32)
+    np.testing.assert_array_equal(model.eval()(x), restored.eval()(x))
+
+
+def test_load_state_dict_errors():
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm2d(2))
+    state = model.state_dict()
+    with pytest.raises(KeyError, match="missing keys \\['1.running_var'\\]"):
+        model.load_state_dict({k: v for k, v in state.items() if k != "1.running_var"})
+    with pytest.raises(KeyError, match="unexpected keys \\['extra'\\]"):
+        model.load_state_dict({**state, "extra": np.zeros(1)})
+    with pytest.raises(ValueError, match="0.weight has shape"):
+        model.load_state_dict({**state, "0.weight": np.zeros((3, 2))})
+    model.load_state_dict({"0.bias": np.array([1.0, 2.0])}, strict=False)
+    np.testing.assert_array_equal(model[0].bias.data, [1, 2])
+    assert model[0].bias.dtype == np.float32
+
+
+# ------------------------------------------------------ PyTorch weights
+
+def _random_torch_resnet18(num_classes):
+    export = load_example("export_torch_resnet18")
+    torch.manual_seed(0)
+    reference = export.ResNet18(num_classes)
+    export.randomize_batchnorms(reference, 32, seed=0)
+    return reference.double()
+
+
+def test_load_torch_state_dict_from_tensors_arrays_and_npz(tmp_path):
+    reference = _random_torch_resnet18(10).float()
+    state = reference.state_dict()
+    np.savez(tmp_path / "weights.npz", **{k: v.numpy() for k, v in state.items()})
+    x = randn(2, 40, 36, 3).astype(np.float32)
+    with torch.no_grad():
+        expected = reference(nchw(x)).numpy()
+    sources = [state, {k: v.numpy() for k, v in state.items()}, tmp_path / "weights.npz",
+               str(tmp_path / "weights.npz")]
+    for source in sources:
+        model = nn.load_torch_state_dict(models.resnet18(num_classes=10), source).eval()
+        np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4 * abs(expected).max())
+    round_trip = nn.to_torch_state_dict(model)
+    for name, value in round_trip.items():
+        np.testing.assert_array_equal(value, state[name].numpy(), err_msg=name)
+
+
+def test_load_torch_state_dict_maps_transposed_conv_weights():
+    reference = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3, 2, groups=2),
+                                    torch.nn.Conv2d(6, 2, 2)).double()
+    model = nn.Sequential(nn.ConvTranspose2d(4, 6, 3, 2, groups=2, dtype=F64),
+                          nn.Conv2d(6, 2, 2, dtype=F64))
+    nn.load_torch_state_dict(model, reference.state_dict())
+    x = randn(2, 3, 4, 4)
+    np.testing.assert_allclose(model(x), nhwc(reference(nchw(x))), rtol=1e-12)
+    with pytest.raises(ValueError, match="0.weight must be 4-D"):
+        nn.load_torch_state_dict(model, {**reference.state_dict(), "0.weight": np.zeros(3)})
+
+
+def test_resnet18_training_step_matches_torch():
+    """Train-mode forward, backward into every parameter, and one SGD step
+    of the whole network, against PyTorch in float64."""
+    reference = _random_torch_resnet18(10).train()
+    model = nn.load_torch_state_dict(models.resnet18(num_classes=10, dtype=F64),
+                                     reference.state_dict())
+    x, labels = randn(2, 32, 32, 3, seed=1), np.array([3, 7])
+    loss_fn = nn.CrossEntropyLoss()
+    loss = loss_fn(model(x), labels)
+    model.backward(loss_fn.backward())
+    nn.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4).step()
+    torch_loss = torch.nn.functional.cross_entropy(reference(nchw(x)), torch.from_numpy(labels))
+    torch_loss.backward()
+    torch_grads = {name: p.grad.numpy() for name, p in reference.named_parameters()}
+    torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4).step()
+    assert loss == pytest.approx(torch_loss.item(), rel=1e-10)
+    for name, grad in grads_in_torch_layout(model).items():
+        np.testing.assert_allclose(grad, torch_grads[name], rtol=1e-7,
+                                   atol=1e-9 * abs(torch_grads[name]).max(), err_msg=name)
+    for name, value in nn.to_torch_state_dict(model).items():
+        expected = reference.state_dict()[name].numpy()
+        np.testing.assert_allclose(value, expected, rtol=1e-7, atol=1e-9 * abs(expected).max(),
+                                   err_msg=name)
+
+
+# ---------------------------------------------------------- BN folding
+
+def test_fold_batchnorm_matches_eval_mode():
+    for bias in (False, True):
+        conv = nn.Conv2d(3, 5, 3, 2, 1, bias=bias, dtype=F64, rng=0)
+        if bias:
+            conv.bias.data[:] = randn(5, seed=1)
+        bn = _bn_with_statistics(5).eval()
+        x = randn(2, 7, 6, 3, seed=2)
+        folded = nn.fold_batchnorm(conv, bn)
+        np.testing.assert_allclose(folded(x), bn(conv(x)), rtol=1e-12, atol=1e-12)
+        assert folded.weight is not conv.weight  # the original is untouched
+    with pytest.raises(TypeError):
+        nn.fold_batchnorm(bn, conv)
+
+
+def test_fold_batchnorms_in_a_resnet():
+    model = nn.load_torch_state_dict(models.resnet18(num_classes=10, dtype=F64),
+                                     _random_torch_resnet18(10).state_dict()).eval()
+    x = randn(2, 32, 32, 3)
+    expected = model(x)
+    nn.fold_batchnorms(model)
+    remaining = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert remaining == []
+    assert "layer2.0.downsample.0.bias" in model.state_dict()
+    np.testing.assert_allclose(model(x), expected, rtol=1e-10, atol=1e-10 * abs(expected).max())
+
+
+# ------------------------------------------------------------ no torch
+
+def test_fastconv_nn_and_models_do_not_import_torch():
+    code = ("import sys, fastconv, fastconv.nn, fastconv.models; "
+            "fastconv.models.resnet18(num_classes=2); print('torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO),
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
