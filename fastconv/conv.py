@@ -144,31 +144,73 @@ def _group_slices(groups, C, OC):
     return [(slice(g * Cg, (g + 1) * Cg), slice(g * OCg, (g + 1) * OCg)) for g in range(groups)]
 
 
-def _forward(x, w2d, groups, geo, bias=None):
-    """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias."""
+#: conv2d's algorithm choices; see _choose_algorithm.
+ALGORITHMS = ("auto", "implicit", "im2col", "gemm1x1", "direct")
+#: conv2d's fused activations, as the kernels' epilogue codes.
+_ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
+
+
+def _choose_algorithm(algorithm, groups, C, geo, in_hw):
+    """The forward algorithm: "auto" picks by shape; a forced one must apply.
+
+    - "direct": depthwise (groups == C > 1), a kernel vectorised over channels;
+    - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is;
+    - "implicit": implicit GEMM, any convolution (interior pixels read in
+      place, border pixels' patch rows built a chunk at a time);
+    - "im2col": the whole patch matrix, then one GEMM per group (the
+      textbook method: fastest to reason about, most memory).
+    """
+    if algorithm == "auto":
+        if _is_depthwise(groups, C):
+            return "direct"
+        return "gemm1x1" if _is_pointwise(geo, in_hw) else "implicit"
+    if algorithm == "direct" and not _is_depthwise(groups, C):
+        raise ValueError(f"algorithm='direct' is the depthwise kernel: it needs groups == C > 1 "
+                         f"(got groups={groups}, C={C})")
+    if algorithm == "gemm1x1" and not _is_pointwise(geo, in_hw):
+        raise ValueError("algorithm='gemm1x1' needs a 1x1 kernel with stride 1 and no padding")
+    return algorithm
+
+
+def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None):
+    """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias,
+    then the activation."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
+    algorithm = _choose_algorithm(algorithm, groups, C, geo, x.shape[1:3])
+    act = _ACTIVATIONS[activation]
     y = np.empty((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y
     if x.size == 0:
         # No input pixel (every tap is padding) or no input channel.
         y[...] = 0 if bias is None else bias
-        return y
+        return _activate(y, activation)
     kernels, nt = _dispatch.kernels, get_num_threads()
-    if _is_depthwise(groups, C):
+    if algorithm == "direct":
         kernels.depthwise_forward(x, _tap_weights(w2d, geo.kernel), bias, y,
-                                  *geo[:4], nt)
+                                  *geo[:4], nt, act)
         return y
     y_rows = _pixel_matrix(y)
-    pointwise = _is_pointwise(geo, x.shape[1:3])
     for c, oc in _group_slices(groups, C, OC):
         b = None if bias is None else bias[oc]
-        if pointwise:
-            kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, 0.0, y_rows[:, oc], nt, b)
+        if algorithm == "gemm1x1":
+            kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
+        elif algorithm == "im2col":
+            cols = np.empty((y_rows.shape[0], K), x.dtype)
+            kernels.im2col(x[..., c], cols, *geo, nt)
+            kernels.gemm(1.0, cols, w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
         else:
-            kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt)
+            kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act)
+    return y
+
+
+def _activate(y, activation):
+    if activation is not None:
+        np.maximum(y, 0, out=y)
+        if activation == "relu6":
+            np.minimum(y, 6, out=y)
     return y
 
 
@@ -384,7 +426,7 @@ def col2im(cols, input_shape, kernel_size, stride=1, padding=0, dilation=1):
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
-           padding_mode="zeros", layout="NHWC"):
+           padding_mode="zeros", layout="NHWC", algorithm="auto", activation=None):
     """2-D convolution (cross-correlation), torch.nn.functional.conv2d semantics.
 
     layout="NHWC": x (N, H, W, C), weight (OC, KH, KW, C/groups), result
@@ -396,10 +438,20 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     SAME_UPPER: OH = ceil(H / stride), the odd pixel at the bottom/right).
     padding_mode: "zeros", "reflect", "replicate" or "circular".
     x, weight and bias must share one dtype, float32 or float64.
+
+    algorithm: "auto" (default: "direct" for depthwise, "gemm1x1" for 1x1
+    stride-1 unpadded, else "implicit"), or one of those or "im2col" to force
+    it (ValueError where it does not apply).  activation: None, "relu" or
+    "relu6", applied to the result (with the bias) while each output tile is
+    still in cache.
     """
     c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
     bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
-    y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias)
+    algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
+    if not (activation is None or activation in ("relu", "relu6")):
+        raise ValueError(f"activation must be None, 'relu' or 'relu6'; got {activation!r}")
+    y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias, algorithm,
+                 activation)
     return _from_nhwc(y, c.layout)
 
 

@@ -802,3 +802,57 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
     dy = rng.standard_normal(y.shape).astype(dtype)
     ref_y, _, _, _ = torch_grads(x, w, b, dy, **kwargs)
     assert_close(y, ref_y, dtype, k * k * C, "output")
+
+
+# ------------------------------------------------- algorithms and epilogues
+
+ALGORITHM_CASES = [
+    # x_shape, w_shape, kwargs, algorithms that apply
+    ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1), ("implicit", "im2col")),
+    ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2), ("implicit", "im2col")),
+    ((2, 7, 6, 12), (20, 1, 1, 12), {}, ("implicit", "im2col", "gemm1x1")),
+    ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10), ("implicit", "im2col", "direct")),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithms", ALGORITHM_CASES)
+@pytest.mark.parametrize("activation", [None, "relu", "relu6"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, algorithms,
+                                                     activation, dtype):
+    rng = np.random.default_rng(sum(x_shape))
+    x = (4 * rng.standard_normal(x_shape)).astype(dtype)   # values past 6 for relu6
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    xt = torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64))
+    wt = torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64))
+    ref = F.conv2d(xt, wt, torch.from_numpy(b.astype(np.float64)), **kwargs)
+    assert ref.min() < 0 and ref.max() > 6, "both clamps must be exercised"
+    if activation == "relu":
+        ref = F.relu(ref)
+    elif activation == "relu6":
+        ref = F.relu6(ref)
+    ref = ref.numpy().transpose(0, 2, 3, 1)
+    for algorithm in ("auto", *algorithms):
+        y = conv2d(x, w, b, **kwargs, algorithm=algorithm, activation=activation)
+        assert_close(y, ref, dtype, w[0].size, f"{algorithm} output")
+
+
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithm, message", [
+    ((1, 5, 5, 4), (4, 3, 3, 4), {}, "gemm1x1", "1x1"),
+    ((1, 5, 5, 4), (4, 1, 1, 4), dict(stride=2), "gemm1x1", "stride 1"),
+    ((1, 5, 5, 4), (4, 3, 3, 4), {}, "direct", "groups == C"),
+    ((1, 5, 5, 4), (4, 3, 3, 4), {}, "winograd", "algorithm"),
+])
+def test_forced_algorithm_that_does_not_apply_is_refused(x_shape, w_shape, kwargs, algorithm,
+                                                         message):
+    x = np.ones(x_shape, np.float32)
+    w = np.ones(w_shape, np.float32)
+    with pytest.raises(ValueError, match=message):
+        conv2d(x, w, **kwargs, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "RELU", ["relu"], 1])
+def test_unknown_activation_is_refused(activation):
+    with pytest.raises(ValueError, match="activation"):
+        conv2d(np.ones((1, 3, 3, 1)), np.ones((1, 1, 1, 1)), activation=activation)

@@ -250,7 +250,7 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          a + blocks[kb].k0 * csa, rsa, csa,
                          bpack + (jb * n_kb + kb) * kc_max * nc_blk,
                          c + jc, rsc, 1, 1, beta, kb == 0,
-                         NULL if bias == NULL else bias + jc)
+                         NULL if bias == NULL else bias + jc, ACT_NONE)
 
 
 cdef struct Segment:
@@ -319,7 +319,7 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
                             const real* bpack, Py_ssize_t nc_blk,
                             Py_ssize_t js, Py_ssize_t n_js,
-                            const real* bias, real* y, Py_ssize_t rsy) noexcept nogil:
+                            const real* bias, int act, real* y, Py_ssize_t rsy) noexcept nogil:
     # y[segment pixels, share js of the output channels] = patches @ w.T (+
     # bias): the forward's macro-kernel.  Per k-block, each segment's A slice
     # stays in L1 while the NR panels of the block stream from L2.
@@ -357,14 +357,15 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                                             bblk + jr * blk.kc, acc)
                     store_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
                                min(NR, nc - jr), 1, 0, kb == 0,
-                               NULL if bias == NULL else bias + jc + jr)
+                               NULL if bias == NULL else bias + jc + jr,
+                               act if kb == n_kb - 1 else ACT_NONE)
 
 
 cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* w, Py_ssize_t rsw, Py_ssize_t OC,
-                            const real* bias, real* y, Py_ssize_t rsy,
+                            const real* bias, int act, real* y, Py_ssize_t rsy,
                             int max_threads) noexcept nogil:
-    # y[m, oc] = sum_k patches[m, k] * w[oc, k] (+ bias[oc]); w is OHWI
+    # y[m, oc] = act(sum_k patches[m, k] * w[oc, k] (+ bias[oc])); w is OHWI
     # flattened (OC x K, row stride rsw), y row m has stride rsy.  Implicit
     # GEMM: pixels whose taps are all inside the image are multiplied
     # straight from it (fc_taps_kernel); only the border pixels' patch rows
@@ -415,7 +416,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                              bufs + tid * R * ld, ld, seg_bufs + tid * R)
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
-                          task % n_js, n_js, bias, y, rsy)
+                          task % n_js, n_js, bias, act, y, rsy)
     aligned_free(bpack)
     aligned_free(bufs)
     free(seg_bufs)
@@ -442,7 +443,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
             pack_b_panel(kc, min(NR, ncols - jp * NR), patches + pc * ld + j0 + jp * NR,
                          ld, 1, bpack + jp * NR * kc)
         macro_kernel(OC, ncols, kc, 0, n_panels, dy + pc * rsdy, 1, rsdy, bpack,
-                     acc + j0, acc_ld, 1, 1, 1, True, NULL)
+                     acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE)
 
 
 cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -655,9 +656,11 @@ cdef check_unit_stride(Py_ssize_t extent, Py_ssize_t stride, Py_ssize_t item, st
 
 
 def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
-                   kernel, stride, dilation, pad_before, out_hw, int num_threads):
-    """y = patches(x) @ w.T (+ bias): x NHWC, w (OC, KH*KW*C), y (N*OH*OW, OC),
-    bias None or a contiguous (OC,) array."""
+                   kernel, stride, dilation, pad_before, out_hw, int num_threads,
+                   int activation=ACT_NONE):
+    """y = act(patches(x) @ w.T (+ bias)): x NHWC, w (OC, KH*KW*C),
+    y (N*OH*OW, OC), bias None or a contiguous (OC,) array, activation
+    ACT_NONE, ACT_RELU or ACT_RELU6."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
@@ -673,8 +676,8 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
     cdef int status
     with nogil:
         status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
-                                    w.shape[0], bias_ptr, &y[0, 0], y.strides[0] // item,
-                                    num_threads)
+                                    w.shape[0], bias_ptr, activation, &y[0, 0],
+                                    y.strides[0] // item, num_threads)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
 

@@ -236,7 +236,7 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
 
 def depthwise_forward(const real[:, :, :, :] x, const real[:, :, ::1] w, bias,
                       real[:, :, :, ::1] y, kernel, stride, dilation, pad_before,
-                      int num_threads):
+                      int num_threads, int activation=ACT_NONE):
     """y = depthwise conv of NHWC x with w (KH, KW, OC), OC = C * multiplier,
     plus bias (None or a contiguous (OC,) array); y (N, OH, OW, OC)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
@@ -252,6 +252,9 @@ def depthwise_forward(const real[:, :, :, :] x, const real[:, :, ::1] w, bias,
     with nogil:
         depthwise_forward_nogil(&g, y.shape[3] // x.shape[3], &x[0, 0, 0, 0], xs,
                                 &w[0, 0, 0], bias_ptr, &y[0, 0, 0, 0], num_threads)
+        if activation != ACT_NONE:
+            clamp_tile(&y[0, 0, 0, 0], y.shape[3], 1, y.shape[0] * y.shape[1] * y.shape[2],
+                       y.shape[3], activation)
 
 
 def depthwise_grad_input(const real[:, :, :, ::1] dy, const real[:, :, ::1] w,

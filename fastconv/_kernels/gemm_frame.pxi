@@ -66,6 +66,10 @@ cdef enum:
     MIN_FLOPS_PER_THREAD = 2000000
     ALIGN = 64
     MAX_TILE = S_MR * S_NR + D_MR * D_NR
+    # Fused epilogues (the codes the Python entry points take).
+    ACT_NONE = 0
+    ACT_RELU = 1
+    ACT_RELU6 = 2
     # A copied slice's rows are kc + 16 elements apart, never a multiple of
     # the L1 set stride.
     A_PANEL_PAD = 16
@@ -109,10 +113,11 @@ cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
                             real* c, Py_ssize_t rsc, Py_ssize_t csc,
                             Py_ssize_t mr, Py_ssize_t nr,
                             real alpha, real beta, bint first,
-                            const real* bias) noexcept nogil:
+                            const real* bias, int act) noexcept nogil:
     # First K block: C = alpha*acc + beta*C (+ bias[j] when bias is given;
     # beta == 0 never reads C, so NaN in C is overwritten as BLAS does).
-    # Later K blocks accumulate.
+    # Later K blocks accumulate.  act (ACT_RELU, ACT_RELU6), given with the
+    # last K block only, clamps the finished tile while it is in L1.
     cdef Py_ssize_t i, j
     cdef real* crow
     cdef const real* arow
@@ -138,6 +143,23 @@ cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
                     crow[j * csc] = alpha * arow[j] + beta * crow[j * csc]
                 if first and bias != NULL:
                     crow[j * csc] += bias[j]
+    if act != ACT_NONE:
+        clamp_tile(c, rsc, csc, mr, nr, act)
+
+
+cdef inline void clamp_tile(real* c, Py_ssize_t rsc, Py_ssize_t csc, Py_ssize_t mr,
+                            Py_ssize_t nr, int act) noexcept nogil:
+    # relu: max(v, 0); relu6: min(max(v, 0), 6).  NaN stays NaN, as in torch.
+    cdef Py_ssize_t i, j
+    cdef real v
+    for i in range(mr):
+        for j in range(nr):
+            v = c[i * rsc + j * csc]
+            if v < 0:
+                v = 0
+            elif act == ACT_RELU6 and v > 6:
+                v = 6
+            c[i * rsc + j * csc] = v
 
 
 cdef inline int threads_for(double flops, int max_threads) noexcept nogil:
@@ -216,7 +238,8 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                        Py_ssize_t jp0, Py_ssize_t jp1,
                        const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                        const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
-                       real alpha, real beta, bint first, const real* bias) noexcept nogil:
+                       real alpha, real beta, bint first, const real* bias,
+                       int act) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A is not packed into k-major panels: each
     # element of a row-major A is used only N times, and that transposing
@@ -253,14 +276,14 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                 fc_micro_kernel_f64(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
             store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
                        mr, min(NR, nc - jr), alpha, beta, first,
-                       NULL if bias == NULL else bias + jr)
+                       NULL if bias == NULL else bias + jr, act)
 
 
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                     const real* b, Py_ssize_t rsb, Py_ssize_t csb,
                     real beta, real* c, Py_ssize_t rsc, Py_ssize_t csc,
-                    const real* bias, int max_threads) noexcept nogil:
+                    const real* bias, int act, int max_threads) noexcept nogil:
     """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C (+ bias[N] broadcast over rows,
     when not NULL).  Returns 0, or -1 when out of memory (C is then
     untouched).  Requires M, N, K >= 1."""
@@ -302,15 +325,17 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                  js * n_panels // n_js, (js + 1) * n_panels // n_js,
                                  a + ic * rsa + pc * csa, rsa, csa, bbuf,
                                  c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
-                                 NULL if bias == NULL else bias + jc)
+                                 NULL if bias == NULL else bias + jc,
+                                 act if pblk == cdiv(K, kc_blk) - 1 else ACT_NONE)
     aligned_free(bbuf)
     return 0
 
 
 def gemm(double alpha, const real[:, :] a, const real[:, :] b, double beta,
-         real[:, :] c, int num_threads, bias=None):
-    """c[...] = alpha * a @ b + beta * c (+ bias, a contiguous (N,) array,
-    broadcast over rows), in place; any strides.
+         real[:, :] c, int num_threads, bias=None, int activation=ACT_NONE):
+    """c[...] = act(alpha * a @ b + beta * c (+ bias, a contiguous (N,)
+    array, broadcast over rows)), in place; any strides.  activation:
+    ACT_NONE, ACT_RELU or ACT_RELU6.
 
     The facade has checked shapes, dtypes and emptiness (M, N, K >= 1) and
     that c does not overlap a or b.
@@ -328,7 +353,7 @@ def gemm(double alpha, const real[:, :] a, const real[:, :] b, double beta,
                             &a[0, 0], a.strides[0] // item, a.strides[1] // item,
                             &b[0, 0], b.strides[0] // item, b.strides[1] // item,
                             <real>beta, &c[0, 0], c.strides[0] // item, c.strides[1] // item,
-                            bias_ptr, num_threads)
+                            bias_ptr, activation, num_threads)
     if status != 0:
         raise MemoryError("fastconv gemm: could not allocate packing buffers")
 
