@@ -28,7 +28,7 @@ from . import _args, _dispatch
 from ._threads import get_num_threads
 
 __all__ = ["im2col", "col2im", "conv2d", "conv2d_backward",
-           "conv_transpose2d", "conv_transpose2d_backward"]
+           "conv_transpose2d", "conv_transpose2d_backward", "PackedConv2d"]
 
 class _Geometry(NamedTuple):
     """What the im2col kernels need, in their argument order."""
@@ -172,9 +172,10 @@ def _choose_algorithm(algorithm, groups, C, geo, in_hw):
     return algorithm
 
 
-def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None):
+def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, packed=None):
     """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias,
-    then the activation."""
+    then the activation.  packed: None, or a callable giving the implicit
+    algorithm's packed weights for (kernels, group)."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
@@ -193,7 +194,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None):
                                   *geo[:4], nt, act)
         return y
     y_rows = _pixel_matrix(y)
-    for c, oc in _group_slices(groups, C, OC):
+    for g, (c, oc) in enumerate(_group_slices(groups, C, OC)):
         b = None if bias is None else bias[oc]
         if algorithm == "gemm1x1":
             kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
@@ -202,7 +203,8 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None):
             kernels.im2col(x[..., c], cols, *geo, nt)
             kernels.gemm(1.0, cols, w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
         else:
-            kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act)
+            kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act,
+                                   None if packed is None else packed(kernels, g))
     return y
 
 
@@ -453,6 +455,53 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias, algorithm,
                  activation)
     return _from_nhwc(y, c.layout)
+
+
+class PackedConv2d:
+    """conv2d with fixed weights, packed once for fastconv's GEMM kernels and
+    reused by every call: for inference, where packing a large layer's
+    weights can cost as much as convolving a single image.
+
+    ``PackedConv2d(weight, bias=None, stride=1, padding=0, dilation=1,
+    groups=1, *, padding_mode="zeros", layout="NHWC", activation=None)``
+    takes conv2d's arguments except x; ``packed(x)`` equals
+    ``conv2d(x, weight, bias, ..., activation=activation)``.  The weights and
+    bias are copied: changing the arrays afterwards does not change the
+    layer.  Packing happens at the first call with each kernel build
+    (FASTCONV_ISA / use_isa), for the groups that run the implicit algorithm.
+    """
+
+    def __init__(self, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
+                 padding_mode="zeros", layout="NHWC", activation=None):
+        layout = _args.choice(layout, "layout", _args.LAYOUTS)
+        weight = _args.float_array(weight, "weight", 4)
+        self.weight = np.array(weight)                    # the caller's layout, owned
+        self.bias = None if bias is None else np.array(
+            _check_bias(bias, weight.dtype, _to_nhwc(weight, layout).shape[0]))
+        if not (activation is None or activation in ("relu", "relu6")):
+            raise ValueError(f"activation must be None, 'relu' or 'relu6'; got {activation!r}")
+        self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
+                            padding_mode=padding_mode, layout=layout)
+        self.activation = activation
+        self._w2d = _weight_matrix(_to_nhwc(self.weight, layout))
+        self._packs = {}   # (ISA, group) -> packed weights
+
+    def _packed(self, kernels, group):
+        key = (kernels.ISA, group)
+        if key not in self._packs:
+            OCg = self._w2d.shape[0] // self.options["groups"]
+            w_group = np.ascontiguousarray(self._w2d[group * OCg:(group + 1) * OCg])
+            kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
+            self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
+        return self._packs[key]
+
+    def __call__(self, x):
+        o = self.options
+        c = _conv_setup(x, self.weight, o["stride"], o["padding"], o["dilation"], o["groups"],
+                        o["padding_mode"], o["layout"])
+        y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, "auto",
+                     self.activation, self._packed)
+        return _from_nhwc(y, c.layout)
 
 
 def conv2d_backward(grad_output, x, weight, stride=1, padding=0, dilation=1, groups=1, *,

@@ -856,3 +856,41 @@ def test_forced_algorithm_that_does_not_apply_is_refused(x_shape, w_shape, kwarg
 def test_unknown_activation_is_refused(activation):
     with pytest.raises(ValueError, match="activation"):
         conv2d(np.ones((1, 3, 3, 1)), np.ones((1, 1, 1, 1)), activation=activation)
+
+
+# ------------------------------------------------------------- prepacking
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1, activation="relu")),
+    ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2, padding_mode="reflect", padding=1)),
+    ((1, 6, 6, 300), (40, 3, 3, 300), dict(padding="same")),          # channel-split k-blocks
+    ((2, 7, 6, 12), (20, 1, 1, 12), {}),                              # gemm1x1: nothing packed
+    ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10)),       # depthwise: nothing packed
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
+    rng = np.random.default_rng(sum(w_shape))
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    with fastconv._dispatch.use_isa(isa):
+        layer = fastconv.PackedConv2d(w, b, **kwargs)
+        w[...] = 0                       # the layer owns copies
+        b[...] = 0
+        expected = conv2d(x, layer.weight, layer.bias, **kwargs)
+        for _ in range(2):               # packed once, reused
+            np.testing.assert_array_equal(layer(x), expected)
+        np.testing.assert_array_equal(layer(x[:1]), expected[:1])
+
+
+def test_packed_weights_of_another_layer_are_refused():
+    kernels = fastconv._dispatch.kernels
+    w_small = np.ones((8, 3 * 3 * 4), np.float32)
+    w_big = np.ones((16, 3 * 3 * 4), np.float32)
+    packed = kernels.pack_conv_weights(w_small, (3, 3), 1)
+    x = np.ones((1, 5, 5, 4), np.float32)
+    y = np.empty((9, 16), np.float32)
+    with pytest.raises(ValueError, match="packed"):
+        kernels.conv2d_forward(x, w_big, None, y, (3, 3), (1, 1), (1, 1), (0, 0), (3, 3), 1,
+                               0, packed)

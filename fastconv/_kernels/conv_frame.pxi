@@ -14,6 +14,7 @@
 
 from libc.string cimport memcpy, memset
 from cython.parallel cimport threadid
+import numpy as np
 
 # Bytes of patch rows per chunk: half of a 1 MiB L2, leaving room for the B
 # panels streaming through.  A variable so that tests can shrink it to one
@@ -206,18 +207,21 @@ cdef inline Py_ssize_t max_block_depth(const KBlock* blocks, Py_ssize_t n) noexc
     return depth
 
 
-cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
-                         const real* b, Py_ssize_t rsb, Py_ssize_t csb,
-                         Py_ssize_t nc_blk, int nt) noexcept nogil:
-    # All of B (K x N), packed once: block (jb, kb) -- k-block kb, columns
-    # jb*nc_blk.. -- at offset (jb * n_kb + kb) * kc_max * nc_blk, its NR
-    # panels inside as pack_b_panel lays them.  NULL when out of memory.
+cdef inline Py_ssize_t packed_b_size(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
+                                     Py_ssize_t nc_blk) noexcept nogil:
+    return cdiv(N, nc_blk) * n_kb * max_block_depth(blocks, n_kb) * nc_blk
+
+
+cdef void pack_b_blocks_into(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
+                             const real* b, Py_ssize_t rsb, Py_ssize_t csb,
+                             Py_ssize_t nc_blk, int nt, real* dst) noexcept nogil:
+    # All of B (K x N), packed once into dst (packed_b_size elements): block
+    # (jb, kb) -- k-block kb, columns jb*nc_blk.. -- at offset
+    # (jb * n_kb + kb) * kc_max * nc_blk, its NR panels inside as
+    # pack_b_panel lays them.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb), n_jb = cdiv(N, nc_blk)
     cdef Py_ssize_t panels_per_blk = nc_blk // NR
-    cdef real* dst = <real*>aligned_malloc(n_jb * n_kb * kc_max * nc_blk * sizeof(real))
-    if dst == NULL:
-        return NULL
     cdef Py_ssize_t t, jb, kb, jp, jc
     for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
         jb = t // (n_kb * panels_per_blk)
@@ -227,6 +231,15 @@ cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
         if jc < N:
             pack_b_panel(blocks[kb].kc, min(NR, N - jc), b + blocks[kb].k0 * rsb + jc * csb,
                          rsb, csb, dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
+
+
+cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
+                         const real* b, Py_ssize_t rsb, Py_ssize_t csb,
+                         Py_ssize_t nc_blk, int nt) noexcept nogil:
+    # pack_b_blocks_into a new aligned buffer; NULL when out of memory.
+    cdef real* dst = <real*>aligned_malloc(packed_b_size(blocks, n_kb, N, nc_blk) * sizeof(real))
+    if dst != NULL:
+        pack_b_blocks_into(blocks, n_kb, N, b, rsb, csb, nc_blk, nt, dst)
     return dst
 
 
@@ -268,42 +281,62 @@ cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag
     return (g.SW * xs.w * <Py_ssize_t>sizeof(real)) % 4096 != 0
 
 
+cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh, bint use_taps,
+                                      Py_ssize_t min_run) noexcept nogil:
+    # Output columns of output row oh whose every tap is inside the image,
+    # as [lo, hi); empty (OW, OW) when fewer than min_run: a run shorter than
+    # a micro-panel multiplies faster from packed patch rows.
+    cdef RowRange r
+    cdef Py_ssize_t ih0 = oh * g.SH - g.PT, last
+    r.lo = g.OW
+    r.hi = g.OW
+    if use_taps and ih0 >= 0 and ih0 + (g.KH - 1) * g.DH < g.H:
+        last = g.W - 1 - (g.KW - 1) * g.DW + g.PL     # the last usable ow * SW
+        if last >= 0:
+            r.lo = cdiv(g.PL, g.SW)
+            r.hi = min(g.OW, last // g.SW + 1)
+            if r.hi - r.lo < min_run:
+                r.lo = g.OW
+                r.hi = g.OW
+    return r
+
+
 cdef Py_ssize_t plan_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                               Py_ssize_t m0, Py_ssize_t m1, bint use_taps,
                               real* buf, Py_ssize_t ld, Segment* segs) noexcept nogil:
-    # Cut pixels m0..m1 into segments; build the patch rows of the
-    # non-interior ones into buf.  Returns the number of segments.
+    # Cut pixels m0..m1 into segments of at most MR: interior runs within
+    # one output row, and runs of other pixels (across rows) whose patch
+    # rows are built into buf.  Returns the number of segments.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t ohw = g.OH * g.OW
-    cdef Py_ssize_t m = m0, n, r, oh, ow, ih0, ow_lo, ow_hi, end, nseg = 0, nbuf = 0
+    cdef Py_ssize_t m = m0, n, r, oh, ow, end, nseg = 0, nbuf = 0
+    cdef RowRange cols
     cdef bint interior
     while m < m1:
         n = m // ohw
         r = m - n * ohw
         oh = r // g.OW
         ow = r - oh * g.OW
-        end = min(m1, m + g.OW - ow, m + MR)
-        # Output columns whose every tap is inside the image, for this row.
-        ih0 = oh * g.SH - g.PT
-        ow_lo = g.OW
-        ow_hi = g.OW
-        if use_taps and ih0 >= 0 and ih0 + (g.KH - 1) * g.DH < g.H:
-            ow_lo = cdiv(g.PL, g.SW)
-            ow_hi = g.W - 1 - (g.KW - 1) * g.DW + g.PL
-            ow_hi = min(g.OW, ow_hi // g.SW + 1) if ow_hi >= 0 else 0
-            if ow_hi <= ow_lo:
-                ow_lo = g.OW
-                ow_hi = g.OW
-        interior = ow_lo <= ow < ow_hi
+        cols = interior_columns(g, oh, use_taps, MR)
+        interior = cols.lo <= ow < cols.hi
         if interior:
-            end = min(end, m + ow_hi - ow)
-        elif ow < ow_lo:
-            end = min(end, m + ow_lo - ow)
+            end = min(m1, m + MR, m + cols.hi - ow)
+        else:
+            # Extend across the border pixels of this row and the next ones.
+            end = m
+            while end < m1 and end - m < MR:
+                r = end - (end // ohw) * ohw
+                oh = r // g.OW
+                ow = r - oh * g.OW
+                cols = interior_columns(g, oh, use_taps, MR)
+                if cols.lo <= ow < cols.hi:
+                    break
+                end = min(m1, m + MR, end + (cols.lo - ow if ow < cols.lo else g.OW - ow))
         segs[nseg].m0 = m
         segs[nseg].mr = end - m
         segs[nseg].interior = interior
         if interior:
-            segs[nseg].a_off = n * xs.n + ih0 * xs.h + (ow * g.SW - g.PL) * xs.w
+            segs[nseg].a_off = n * xs.n + (oh * g.SH - g.PT) * xs.h + (ow * g.SW - g.PL) * xs.w
         else:
             im2col_rows(g, x, xs, m, end, buf + nbuf * ld, ld)
             segs[nseg].a_off = nbuf
@@ -364,9 +397,10 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
 cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                             const real* bias, int act, real* y, Py_ssize_t rsy,
-                            int max_threads) noexcept nogil:
+                            const real* prepacked, int max_threads) noexcept nogil:
     # y[m, oc] = act(sum_k patches[m, k] * w[oc, k] (+ bias[oc])); w is OHWI
-    # flattened (OC x K, row stride rsw), y row m has stride rsy.  Implicit
+    # flattened (OC x K, row stride rsw), y row m has stride rsy.  prepacked,
+    # when not NULL, is w as pack_conv_weights laid it out.  Implicit
     # GEMM: pixels whose taps are all inside the image are multiplied
     # straight from it (fc_taps_kernel); only the border pixels' patch rows
     # are built, a chunk at a time.
@@ -388,13 +422,16 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     for kh in range(g.KH):
         for kw in range(g.KW):
             tap_off[kh * g.KW + kw] = kh * g.DH * xs.h + kw * g.DW * xs.w
-    cdef real* bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
+    cdef real* bpack = <real*>prepacked
+    if prepacked == NULL:
+        bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
     if bpack == NULL or bufs == NULL or seg_bufs == NULL:
-        aligned_free(bpack)
+        if prepacked == NULL:
+            aligned_free(bpack)
         aligned_free(bufs)
         free(seg_bufs)
         free(blocks)
@@ -417,7 +454,8 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
                           task % n_js, n_js, bias, act, y, rsy)
-    aligned_free(bpack)
+    if prepacked == NULL:
+        aligned_free(bpack)
     aligned_free(bufs)
     free(seg_bufs)
     free(blocks)
@@ -655,12 +693,56 @@ cdef check_unit_stride(Py_ssize_t extent, Py_ssize_t stride, Py_ssize_t item, st
         raise ValueError(f"{what} must have unit stride along its last axis")
 
 
+cdef Py_ssize_t conv_weight_layout(real dtype_tag, Py_ssize_t KH, Py_ssize_t KW, Py_ssize_t C,
+                                   Py_ssize_t OC, KBlock** blocks, Py_ssize_t* nc_blk) except -1:
+    # The k-blocks (malloc'ed into *blocks, the caller frees) and block
+    # width of the forward's packed weights; returns the number of k-blocks.
+    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef ConvGeom g
+    g.KH, g.KW, g.C = KH, KW, C
+    cdef Py_ssize_t kc_unused
+    block_sizes(<real>0, KH * KW * C, OC, &kc_unused, nc_blk)
+    blocks[0] = <KBlock*>malloc(KH * KW * cdiv(C, KC) * sizeof(KBlock))
+    if blocks[0] == NULL:
+        raise MemoryError()
+    return conv_k_blocks(<real>0, &g, blocks[0])
+
+
+class PackedWeights:
+    """Weights packed by pack_conv_weights: the packed values and what they
+    were packed from, so that conv2d_forward can refuse a mismatch."""
+    __slots__ = ("data", "isa", "shape", "kernel")
+
+    def __init__(self, data, isa, shape, kernel):
+        self.data, self.isa, self.shape, self.kernel = data, isa, shape, kernel
+
+
+def pack_conv_weights(const real[:, ::1] w, kernel, int num_threads):
+    """w (OC, KH*KW*C) packed as conv2d_forward's B operand for this ISA
+    build, to pass back as conv2d_forward(..., packed=)."""
+    cdef Py_ssize_t KH = kernel[0], KW = kernel[1]
+    cdef Py_ssize_t OC = w.shape[0], C = w.shape[1] // (KH * KW)
+    if C * KH * KW != w.shape[1] or C == 0 or OC == 0:
+        raise ValueError(f"w must be (OC, {KH}*{KW}*C) with OC, C >= 1; got {tuple(w.shape)[:2]}")
+    cdef KBlock* blocks = NULL
+    cdef Py_ssize_t nc_blk
+    cdef Py_ssize_t n_kb = conv_weight_layout(<real>0, KH, KW, C, OC, &blocks, &nc_blk)
+    packed = np.empty(packed_b_size(blocks, n_kb, OC, nc_blk),
+                      np.float32 if real is float else np.float64)
+    cdef real[::1] dst = packed
+    with nogil:
+        pack_b_blocks_into(blocks, n_kb, OC, &w[0, 0], 1, w.strides[0] // sizeof(real),
+                           nc_blk, num_threads, &dst[0])
+    free(blocks)
+    return PackedWeights(packed, ISA, (OC, KH * KW * C), (KH, KW))
+
+
 def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                    kernel, stride, dilation, pad_before, out_hw, int num_threads,
-                   int activation=ACT_NONE):
+                   int activation=ACT_NONE, packed=None):
     """y = act(patches(x) @ w.T (+ bias)): x NHWC, w (OC, KH*KW*C),
     y (N*OH*OW, OC), bias None or a contiguous (OC,) array, activation
-    ACT_NONE, ACT_RELU or ACT_RELU6."""
+    ACT_NONE, ACT_RELU or ACT_RELU6, packed None or pack_conv_weights(w)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
@@ -673,11 +755,20 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
     if bias is not None:
         bias_view = bias
         bias_ptr = &bias_view[0]
+    cdef const real[::1] packed_view
+    cdef const real* packed_ptr = NULL
+    if packed is not None:
+        if (packed.isa != ISA or packed.shape != (w.shape[0], w.shape[1])
+                or packed.kernel != (g.KH, g.KW)):
+            raise ValueError(f"packed weights are {packed.shape} {packed.kernel} for {packed.isa}; "
+                             f"this call has {(w.shape[0], w.shape[1])} {(g.KH, g.KW)} for {ISA}")
+        packed_view = packed.data      # (a dtype mismatch raises here)
+        packed_ptr = &packed_view[0]
     cdef int status
     with nogil:
         status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
                                     w.shape[0], bias_ptr, activation, &y[0, 0],
-                                    y.strides[0] // item, num_threads)
+                                    y.strides[0] // item, packed_ptr, num_threads)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
 
