@@ -37,13 +37,16 @@ def load_images(path):
 
 
 def load_model(weights, fold_bn=True):
-    """ResNet-18 (class count read from the weights) in eval mode."""
+    """ResNet-18 (class count read from the weights) in eval mode, its
+    batchnorms folded into the convolutions and their weights prepacked."""
     with np.load(weights) as archive:
         state = {name: archive[name] for name in archive.files}
     model = models.resnet18(num_classes=state["fc.weight"].shape[0])
     nn.load_torch_state_dict(model, state)
     model.eval()
-    return nn.fold_batchnorms(model) if fold_bn else model
+    if fold_bn:
+        nn.fold_batchnorms(model)
+    return nn.prepack(model)  # inference only: pack every conv's weights once
 
 
 def top_k(logits, k):

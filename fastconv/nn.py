@@ -55,7 +55,8 @@ import os
 import numpy as np
 
 from . import _args
-from .conv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
+from .conv import (PackedConv2d, conv2d, conv2d_backward, conv_transpose2d,
+                   conv_transpose2d_backward)
 from .gemm import dgemm, sgemm
 
 __all__ = [
@@ -63,7 +64,8 @@ __all__ = [
     "Conv2d", "ConvTranspose2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
     "AdaptiveAvgPool2d", "BatchNorm2d", "Flatten", "Identity", "Sequential", "BasicBlock",
     "CrossEntropyLoss", "SGD",
-    "fold_batchnorm", "fold_batchnorms", "load_torch_state_dict", "to_torch_state_dict",
+    "fold_batchnorm", "fold_batchnorms", "prepack", "load_torch_state_dict",
+    "to_torch_state_dict",
 ]
 
 
@@ -219,7 +221,12 @@ class Module:
     def train(self, mode=True):
         for _, module in self.named_modules():
             module.training = mode
+            if mode:
+                module._drop_packed_weights()
         return self
+
+    def _drop_packed_weights(self):
+        """Forget weights packed by prepack() (they may be about to change)."""
 
     def eval(self):
         return self.train(False)
@@ -264,6 +271,8 @@ class Module:
                                  f"the module expects {target.shape}")
         for _, target, value in updates:
             target[...] = value
+        for _, module in self.named_modules():
+            module._drop_packed_weights()
 
     def save(self, path):
         """Write the state_dict to an .npz file."""
@@ -359,6 +368,16 @@ class Conv2d(_Conv):
     def _geometry(self):
         return dict(stride=self.stride, padding=self.padding, dilation=self.dilation,
                     groups=self.groups, padding_mode=self.padding_mode)
+
+    def forward(self, x):
+        packed = getattr(self, "_packed", None)
+        if packed is None or self.training:
+            return super().forward(x)
+        self._save_for_backward(x=x)
+        return packed(x)
+
+    def _drop_packed_weights(self):
+        self._packed = None
 
 
 class ConvTranspose2d(_Conv):
@@ -919,10 +938,25 @@ def fold_batchnorm(conv, bn):
     dtype = conv.weight.dtype
     folded = copy.copy(conv)  # same geometry; fresh parameters, nothing saved
     folded._saved = None
+    folded._drop_packed_weights()
     folded.weight = Parameter((conv.weight.data * scale[:, None, None, None]).astype(dtype))
     bias = shift if conv.bias is None else conv.bias.data * scale + shift
     folded.bias = Parameter(bias.astype(dtype))
     return folded
+
+
+def prepack(model):
+    """Pack the weights of every Conv2d in model once for fastconv's GEMM
+    kernels (fastconv.PackedConv2d), for inference: in eval mode each call
+    then skips repacking them, which for a deep layer at batch 1 costs about
+    as much as the convolution.  The packs are dropped by train() and
+    load_state_dict(); after changing weights any other way (an optimizer
+    step in eval mode), call prepack again.  Returns model."""
+    for _, module in model.named_modules():
+        if isinstance(module, Conv2d):
+            bias = None if module.bias is None else module.bias.data
+            module._packed = PackedConv2d(module.weight.data, bias, **module._geometry())
+    return model
 
 
 def fold_batchnorms(model):

@@ -483,3 +483,28 @@ def test_fastconv_nn_and_models_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO),
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_prepack_matches_and_is_dropped_when_weights_may_change():
+    rng = np.random.default_rng(5)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, rng=1), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3, stride=2, groups=2, rng=2))
+    x = rng.standard_normal((2, 9, 9, 3)).astype(np.float32)
+    model.eval()
+    expected = model(x)
+    nn.prepack(model)
+    assert all(m._packed is not None for m in (model[0], model[2]))
+    np.testing.assert_array_equal(model(x), expected)
+    # New weights through load_state_dict: the packs must not outlive them.
+    state = {k: v * 2 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    assert model[0]._packed is None
+    fresh = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, rng=7), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3, stride=2, groups=2, rng=8))
+    fresh.load_state_dict(state)
+    fresh.eval()
+    np.testing.assert_array_equal(model(x), fresh(x))
+    assert not np.allclose(model(x), expected)
+    nn.prepack(model)
+    model.train()
+    assert model[0]._packed is None and model[2]._packed is None
