@@ -312,6 +312,11 @@ def _check_bias(bias, dtype, channels):
     return np.ascontiguousarray(bias)  # the kernels add it from contiguous memory
 
 
+def _check_activation(activation):
+    if not (activation is None or activation in ("relu", "relu6")):
+        raise ValueError(f"activation must be None, 'relu' or 'relu6'; got {activation!r}")
+
+
 def _check_grad_output(grad_output, dtype, nhwc_shape, layout):
     dy = _args.float_array(grad_output, "grad_output", 4)
     _args.same_dtype(dy, "grad_output", dtype)
@@ -450,8 +455,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
     bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
     algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
-    if not (activation is None or activation in ("relu", "relu6")):
-        raise ValueError(f"activation must be None, 'relu' or 'relu6'; got {activation!r}")
+    _check_activation(activation)
     y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias, algorithm,
                  activation)
     return _from_nhwc(y, c.layout)
@@ -478,8 +482,7 @@ class PackedConv2d:
         self.weight = np.array(weight)                    # the caller's layout, owned
         self.bias = None if bias is None else np.array(
             _check_bias(bias, weight.dtype, _to_nhwc(weight, layout).shape[0]))
-        if not (activation is None or activation in ("relu", "relu6")):
-            raise ValueError(f"activation must be None, 'relu' or 'relu6'; got {activation!r}")
+        _check_activation(activation)
         self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
                             padding_mode=padding_mode, layout=layout)
         self.activation = activation

@@ -1,6 +1,13 @@
 # cython: language_level=3
 """CPU feature detection and OpenMP thread control, built for the baseline
-target so it imports on any CPU."""
+target so it imports on any CPU.
+
+Fork safety: GNU libgomp keeps its worker threads in a pool that fork()
+does not copy, so a child whose parent had run a parallel region hangs at
+its next one with more than one thread.  A pthread_atfork child handler
+(run for every fork(): os.fork, multiprocessing's "fork" and "forkserver",
+C code) marks the process as a forked child; fastconv._threads then runs
+every kernel there with one thread."""
 
 cdef extern from *:
     """
@@ -11,6 +18,19 @@ cdef extern from *:
     #define FASTCONV_HAVE_OPENMP 0
     static int omp_get_max_threads(void) { return 1; }
     static void omp_set_num_threads(int n) { (void)n; }
+    #endif
+
+    /* Set in the child of every fork() of this process (and inherited by
+       its own children).  Only an int is written: async-signal-safe. */
+    static volatile int fastconv_forked = 0;
+    #if defined(_WIN32)
+    static int fastconv_register_atfork(void) { return 0; }
+    #else
+    #include <pthread.h>
+    static void fastconv_atfork_child(void) { fastconv_forked = 1; }
+    static int fastconv_register_atfork(void) {
+        return pthread_atfork(NULL, NULL, fastconv_atfork_child);
+    }
     #endif
 
     #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -40,8 +60,13 @@ cdef extern from *:
     void omp_set_num_threads(int n) nogil
     int fastconv_has_x86_64_v3()
     int fastconv_has_x86_64_v4()
+    int fastconv_forked
+    int fastconv_register_atfork()
 
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
+
+if fastconv_register_atfork() != 0:
+    raise ImportError("fastconv: pthread_atfork failed (out of memory)")
 
 
 def cpu_supports(isa):
@@ -61,3 +86,9 @@ def get_max_threads():
 
 def set_max_threads(int n):
     omp_set_num_threads(n)
+
+
+def in_forked_child():
+    """True in a process created by fork() after this module was imported
+    (and in its descendants)."""
+    return bool(fastconv_forked)

@@ -383,10 +383,10 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             fc_taps_kernel_f64(s.mr, blk.ntaps, tap_off + blk.t0, blk.cw,
                                                x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc, acc)
                     elif real is float:
-                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld, 1,
+                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
                                             bblk + jr * blk.kc, acc)
                     else:
-                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld, 1,
+                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
                                             bblk + jr * blk.kc, acc)
                     store_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
                                min(NR, nc - jr), 1, 0, kb == 0,

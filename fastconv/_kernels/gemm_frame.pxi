@@ -34,9 +34,9 @@ cdef extern from "micro_kernel.h":
         D_KC "FC_D_KC"
         D_NC "FC_D_NC"
     void fc_micro_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
-                             Py_ssize_t csa, const float* b, float* acc) noexcept nogil
+                             const float* b, float* acc) noexcept nogil
     void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
-                             Py_ssize_t csa, const double* b, double* acc) noexcept nogil
+                             const double* b, double* acc) noexcept nogil
     void fc_taps_kernel_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
                             const float* a0, Py_ssize_t rsa, const float* b,
                             float* acc) noexcept nogil
@@ -241,26 +241,21 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                        real alpha, real beta, bint first, const real* bias,
                        int act) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
-    # of the packed B block.  A is not packed into k-major panels: each
-    # element of a row-major A is used only N times, and that transposing
-    # pack cost 6-20 % of the run time on conv-shaped products (N = 64..256),
-    # while the micro-kernel reads MR rows in place as fast as a packed panel
-    # (the MR x kc slice stays in L1 across the jr loop).  Two layouts defeat
-    # that and get a plain copy of the slice first (under 1 % of the work):
-    # rows a multiple of 2 KiB apart, which all fall in a few L1 sets (8-way
-    # on the CPUs we target; measured 12 % slower at N = 1024 and 2048), and
-    # non-unit k stride (A.T views).  acc and the copy live on this thread's
-    # stack.
+    # of the packed B block.  A is not packed into k-major panels (see
+    # micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
+    # packed panel (the MR x kc slice stays in L1 across the jr loop).  Two
+    # layouts defeat that and get a plain row-major copy of the slice first
+    # (under 1 % of the work): rows a multiple of 2 KiB apart, which all fall
+    # in a few L1 sets (8-way on the CPUs we target; measured 12 % slower at
+    # N = 1024 and 2048), and non-unit k stride (A.T views).  acc and the
+    # copy live on this thread's stack.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
     cdef real panel[MAX_PANEL]
     cdef bint copy_a = csa != 1 or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0
     cdef const real* ap
-    cdef Py_ssize_t ip, ir, jp, jr, mr, ars = rsa, acs = csa
-    if copy_a:
-        ars = kc + A_PANEL_PAD
-        acs = 1
+    cdef Py_ssize_t ip, ir, jp, jr, mr, ars = kc + A_PANEL_PAD if copy_a else rsa
     for ip in range(cdiv(mc, MR)):
         ir = ip * MR
         mr = min(MR, mc - ir)
@@ -271,9 +266,9 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
         for jp in range(jp0, jp1):
             jr = jp * NR
             if real is float:
-                fc_micro_kernel_f32(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
+                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * kc, acc)
             else:
-                fc_micro_kernel_f64(mr, kc, ap, ars, acs, bpack + jr * kc, acc)
+                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * kc, acc)
             store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
                        mr, min(NR, nc - jr), alpha, beta, first,
                        NULL if bias == NULL else bias + jr, act)

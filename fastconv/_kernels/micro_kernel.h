@@ -1,7 +1,7 @@
 /* The GEMM micro-kernel, one source for every ISA build.
  *
- * acc[R*NR] = A (R x kc, read through its strides) @ B_panel (kc x NR,
- * packed: NR values per k), accumulated in R x (NR/VL) vector registers.
+ * acc[R*NR] = A (R rows read in place) @ B_panel (packed: NR values per
+ * k), accumulated in R x (NR/VL) vector registers.
  *
  * Written with GCC/Clang vector extensions rather than plain loops: the
  * compiler's auto-vectoriser picks a good schedule for some (MR, NR) and a
@@ -31,61 +31,23 @@
 #define FC_UNROLL FC_PRAGMA(GCC unroll 64)
 #endif
 
-/* acc = A (MR x kc) @ B_panel (kc x NR); A element (i, p) is a[i*ARS + p*ACS]. */
-#define FC_MICRO_KERNEL_BODY(T, VEC, MR, NR, ARS, ACS)                           \
-    {                                                                           \
-        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
-        VEC c[MR][NV];                                                          \
-        FC_UNROLL for (int i = 0; i < (MR); i++)                                \
-            FC_UNROLL for (int j = 0; j < NV; j++)                              \
-                c[i][j] = (VEC){0};                                             \
-        for (ptrdiff_t p = 0; p < kc; p++) {                                    \
-            VEC bv[NV];                                                         \
-            /* memcpy: an unaligned-safe vector load the compiler folds. */     \
-            FC_UNROLL for (int j = 0; j < NV; j++)                              \
-                memcpy(&bv[j], b + j * VL, FC_VBYTES);                          \
-            FC_UNROLL for (int i = 0; i < (MR); i++) {                          \
-                const T ai = a[i * (ARS)];                                      \
-                FC_UNROLL for (int j = 0; j < NV; j++)                          \
-                    c[i][j] += ai * bv[j];                                      \
-            }                                                                   \
-            a += (ACS);                                                         \
-            b += (NR);                                                          \
-        }                                                                       \
-        FC_UNROLL for (int i = 0; i < (MR); i++)                                \
-            FC_UNROLL for (int j = 0; j < NV; j++)                              \
-                memcpy(acc + i * (NR) + j * VL, &c[i][j], FC_VBYTES);           \
-    }
-
-/* A is read in place through its strides (row-major A would otherwise need
- * a transposing pack that cost 6-20 % on conv-shaped products).  One kernel
- * per row count R = 1..16, so a short last panel of A (M = 49 = 4*12 + 1)
- * costs R rows of work instead of MR; fc_micro_kernel_<dtype>(mr, ...) picks
+/* acc = A (R x K) @ B_panel (K x NR).  A is never packed: row i of A is
+ * read in place, ntaps runs of kc contiguous values each, run t starting at
+ * a0 + i*rsa + tap_off[t].
+ *
+ * - A plain GEMM has one run (ntaps = 1, offset 0): row-major A, rows rsa
+ *   apart.  Packing a row-major A into k-major panels would be a transpose
+ *   that cost 6-20 % on conv-shaped products, while these in-place reads
+ *   run as fast.
+ * - An implicit-GEMM convolution has one run per kernel tap: R consecutive
+ *   output pixels of one row read their input pixels rsa = stride * pixel
+ *   stride apart, and each tap is one more offset into the image (valid
+ *   where no tap of the R pixels falls in the padding).
+ *
+ * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
+ * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
  * one.  Kernels with R above the build's MR are never called. */
-#define FC_DEFINE_ROWS_KERNEL(SUFFIX, T, R, NR)                                  \
-    static inline void fc_micro_kernel_##SUFFIX##_##R(                          \
-        ptrdiff_t kc, const T *restrict a, ptrdiff_t rsa, ptrdiff_t csa,        \
-        const T *restrict b, T *restrict acc)                                   \
-    FC_MICRO_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR, rsa, csa)
-
-#define FC_ROWS_CASE(SUFFIX, T, R, NR)                                           \
-    case R: fc_micro_kernel_##SUFFIX##_##R(kc, a, rsa, csa, b, acc); break;
-
-#define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
-    X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
-    X(SUFFIX, T, 4, NR) X(SUFFIX, T, 5, NR) X(SUFFIX, T, 6, NR)                 \
-    X(SUFFIX, T, 7, NR) X(SUFFIX, T, 8, NR) X(SUFFIX, T, 9, NR)                 \
-    X(SUFFIX, T, 10, NR) X(SUFFIX, T, 11, NR) X(SUFFIX, T, 12, NR)              \
-    X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
-    X(SUFFIX, T, 16, NR)
-
-/* The implicit-GEMM variant for convolutions: A is never materialised.  Row
- * i of A, over ntaps taps of kc channels each, is the image pixels
- * a + i*rsa + tap_off[t] + (0..kc): MR consecutive output pixels of one row
- * read their input pixels at a constant stride rsa (stride * pixel stride),
- * and each kernel tap is one more offset.  Valid only where no tap of the MR
- * pixels falls in the padding. */
-#define FC_TAPS_KERNEL_BODY(T, VEC, MR, NR)                                      \
+#define FC_KERNEL_BODY(T, VEC, MR, NR)                                           \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
         VEC c[MR][NV];                                                          \
@@ -96,6 +58,7 @@
             const T *a = a0 + tap_off[t];                                       \
             for (ptrdiff_t p = 0; p < kc; p++) {                                \
                 VEC bv[NV];                                                     \
+                /* memcpy: an unaligned-safe vector load the compiler folds. */ \
                 FC_UNROLL for (int j = 0; j < NV; j++)                          \
                     memcpy(&bv[j], b + j * VL, FC_VBYTES);                      \
                 FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
@@ -112,31 +75,38 @@
                 memcpy(acc + i * (NR) + j * VL, &c[i][j], FC_VBYTES);           \
     }
 
-#define FC_DEFINE_TAPS_KERNEL(SUFFIX, T, R, NR)                                  \
+#define FC_DEFINE_ROWS_KERNEL(SUFFIX, T, R, NR)                                  \
     static inline void fc_taps_kernel_##SUFFIX##_##R(                           \
         ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,                \
         const T *restrict a0, ptrdiff_t rsa, const T *restrict b,               \
         T *restrict acc)                                                        \
-    FC_TAPS_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR)
+    FC_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR)
 
-#define FC_TAPS_CASE(SUFFIX, T, R, NR)                                           \
+#define FC_ROWS_CASE(SUFFIX, T, R, NR)                                           \
     case R: fc_taps_kernel_##SUFFIX##_##R(ntaps, tap_off, kc, a0, rsa, b, acc); break;
+
+#define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
+    X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
+    X(SUFFIX, T, 4, NR) X(SUFFIX, T, 5, NR) X(SUFFIX, T, 6, NR)                 \
+    X(SUFFIX, T, 7, NR) X(SUFFIX, T, 8, NR) X(SUFFIX, T, 9, NR)                 \
+    X(SUFFIX, T, 10, NR) X(SUFFIX, T, 11, NR) X(SUFFIX, T, 12, NR)              \
+    X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
+    X(SUFFIX, T, 16, NR)
 
 #define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, NR)                                   \
     typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
     FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
-    FC_FOR_ROWS(FC_DEFINE_TAPS_KERNEL, SUFFIX, T, NR)                           \
-    static inline void fc_micro_kernel_##SUFFIX(                                \
-        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, ptrdiff_t csa,         \
-        const T *b, T *acc)                                                     \
-    {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
-    }                                                                           \
     static inline void fc_taps_kernel_##SUFFIX(                                 \
         int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
         const T *a0, ptrdiff_t rsa, const T *b, T *acc)                         \
     {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_TAPS_CASE, SUFFIX, T, NR) }                \
+        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
+    }                                                                           \
+    static inline void fc_micro_kernel_##SUFFIX(                                \
+        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *acc)    \
+    {                                                                           \
+        static const ptrdiff_t no_offset = 0;                                   \
+        fc_taps_kernel_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, acc);         \
     }
 
 #if FC_S_MR > 16 || FC_D_MR > 16
