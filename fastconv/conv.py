@@ -390,7 +390,7 @@ def im2col(x, kernel_size, stride=1, padding=0, dilation=1):
     (kh, kw, c) order, zero where the kernel overlaps the padding.  padding
     takes conv2d's forms (int, pair, per-side pairs, "valid", "same").
     """
-    x = _channels_last(_args.float_array(x, "x", 4))
+    x = _args.float_array(x, "x", 4)
     kernel = _args.positive_pair(kernel_size, "kernel_size")
     stride = _args.positive_pair(stride, "stride")
     dilation = _args.positive_pair(dilation, "dilation")
@@ -404,7 +404,8 @@ def im2col(x, kernel_size, stride=1, padding=0, dilation=1):
     if x.size == 0:
         cols[...] = 0  # every tap is padding
         return cols
-    _dispatch.kernels.im2col(x, cols, *geo, get_num_threads())
+    # Copied (if at all) only once the arguments are known to be valid.
+    _dispatch.kernels.im2col(_channels_last(x), cols, *geo, get_num_threads())
     return cols
 
 

@@ -10,17 +10,25 @@ from ._threads import get_num_threads
 __all__ = ["sgemm", "dgemm", "matmul"]
 
 
+def float_matrix(x, name):
+    """``x`` as an ndarray, checked to be 2-D and floating; not cast or
+    copied yet (the shapes are checked first: an invalid call allocates
+    nothing, however large its operands)."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got {x.ndim}-D with shape {x.shape}")
+    return x
+
+
 def as_float_matrix(x, name, dtype=None):
     """``x`` as a 2-D floating ndarray (cast to ``dtype`` when given).
 
     Views keep their strides: the packing routines read any layout.  Only a
     stride that is not a whole number of elements forces a copy.
     """
-    x = np.asarray(x)
-    if x.dtype.kind != "f":
-        raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D, got {x.ndim}-D with shape {x.shape}")
+    x = float_matrix(x, name)
     if dtype is not None:
         x = x.astype(dtype, copy=False)
     elif not x.dtype.isnative:
@@ -59,21 +67,13 @@ def gemm_into(alpha, a, b, beta, out):
 def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
     alpha = as_scalar(alpha, "alpha")
     beta = as_scalar(beta, "beta")
-    a = as_float_matrix(a, "a", dtype)
-    b = as_float_matrix(b, "b", dtype)
-    if trans_a:
-        a = a.T
-    if trans_b:
-        b = b.T
-    M, K = a.shape
-    if b.shape[0] != K:
-        raise ValueError(f"inner dimensions differ: op(a) is {M}x{K} but op(b) is "
-                         f"{b.shape[0]}x{b.shape[1]}")
-    N = b.shape[1]
-    if c is None:
-        out = np.empty((M, N), dtype)
-        beta = 0.0
-    else:
+    a = float_matrix(a, "a")
+    b = float_matrix(b, "b")
+    M, K = a.shape[::-1] if trans_a else a.shape
+    Kb, N = b.shape[::-1] if trans_b else b.shape
+    if Kb != K:
+        raise ValueError(f"inner dimensions differ: op(a) is {M}x{K} but op(b) is {Kb}x{N}")
+    if c is not None:
         if not isinstance(c, np.ndarray):
             raise TypeError(f"c must be a numpy array, got {type(c).__name__}")
         if c.dtype != dtype:
@@ -83,16 +83,26 @@ def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
         if overwrite_c:
             if not c.flags.writeable:
                 raise ValueError("c is read-only but overwrite_c=True")
-            out = c if not any(s % c.itemsize for s in c.strides) else None
-            if out is None:
+            if any(s % c.itemsize for s in c.strides):
                 raise ValueError("c has strides that are not whole elements; pass a copy")
-            # The kernel re-reads A and B after writing parts of C.
-            if np.may_share_memory(out, a):
-                a = a.copy()
-            if np.may_share_memory(out, b):
-                b = b.copy()
-        else:
-            out = np.array(c, dtype=dtype, order="C") if beta != 0 else np.empty((M, N), dtype)
+    a = as_float_matrix(a, "a", dtype)
+    b = as_float_matrix(b, "b", dtype)
+    if trans_a:
+        a = a.T
+    if trans_b:
+        b = b.T
+    if c is None:
+        out = np.empty((M, N), dtype)
+        beta = 0.0
+    elif overwrite_c:
+        out = c
+        # The kernel re-reads A and B after writing parts of C.
+        if np.may_share_memory(out, a):
+            a = a.copy()
+        if np.may_share_memory(out, b):
+            b = b.copy()
+    else:
+        out = np.array(c, dtype=dtype, order="C") if beta != 0 else np.empty((M, N), dtype)
     return gemm_into(alpha, a, b, beta, out)
 
 
@@ -116,12 +126,14 @@ def dgemm(alpha, a, b, beta=0.0, c=None, trans_a=False, trans_b=False, overwrite
 def matmul(a, b):
     """``a @ b`` for 2-D float32/float64 arrays, like np.matmul (mixed
     float32/float64 gives float64)."""
+    a = float_matrix(a, "a")
+    b = float_matrix(b, "b")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: a is {a.shape[0]}x{a.shape[1]} but b is "
+                         f"{b.shape[0]}x{b.shape[1]}; inner dimensions differ")
     a = as_float_matrix(a, "a")
     b = as_float_matrix(b, "b")
     dtype = np.result_type(a.dtype, b.dtype)
     a = a.astype(dtype, copy=False)
     b = b.astype(dtype, copy=False)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul: a is {a.shape[0]}x{a.shape[1]} but b is "
-                         f"{b.shape[0]}x{b.shape[1]}; inner dimensions differ")
     return gemm_into(1.0, a, b, 0.0, np.empty((a.shape[0], b.shape[1]), dtype))
