@@ -515,7 +515,9 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc
     cdef real* acc
     if split_chunks:
-        for chunk in prange(n_chunks, num_threads=nt, schedule="dynamic"):
+        # Static: each thread always sums the same chunks in the same order,
+        # so the result does not change from run to run.
+        for chunk in prange(n_chunks, num_threads=nt, schedule="static"):
             tid = threadid()
             m0 = chunk * R
             m1 = min(M, m0 + R)
