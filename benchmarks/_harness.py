@@ -38,7 +38,8 @@ __all__ = [
     "format_table", "gflops", "import_torch", "max_relative_error", "numpy_threads",
     "openblas_description", "reexec_without_openblas_overrides", "run_rounds",
     "sample_times", "time_block", "torch_threads",
-    "add_common_arguments", "settings_from", "Settings", "run_cell", "libraries_from",
+    "add_common_arguments", "settings_from", "Settings", "run_cell", "wait_until_quiet",
+    "libraries_from",
     "environment_report", "ConvLayer", "resnet50_layers", "write_markdown",
     "print_section",
 ]
@@ -55,11 +56,12 @@ class Settings(NamedTuple):
     retries: int = 0   # re-timings of a cell that other processes disturbed
 
 #: A cell during which other processes used more than this share of the CPUs
-#: is re-timed (--retry-busy): on 2 CPUs, one busy neighbour thread already
-#: makes multi-threaded timings swing by 10x.
+#: counts as disturbed (--retry-busy): on 2 CPUs one busy neighbour thread
+#: already makes multi-threaded timings swing by 10x.
 BUSY_SHARE = 0.05
-#: Seconds to wait before such a re-timing, for the neighbour to finish.
-BUSY_WAIT = 5.0
+#: With --retry-busy, at most this many seconds of waiting for the machine to
+#: go quiet before each attempt at a cell.
+QUIET_WAIT_MAX = 30.0
 
 
 def add_common_arguments(parser):
@@ -78,9 +80,10 @@ def add_common_arguments(parser):
                         help="also write the tables as GitHub markdown to PATH")
     parser.add_argument("--no-torch", action="store_true", help="leave torch out")
     parser.add_argument("--retry-busy", type=int, default=0, metavar="N",
-                        help=f"re-time a cell up to N times (after {BUSY_WAIT:g} s) while other "
-                             f"processes used > {BUSY_SHARE * 100:.0f}%% of the CPUs during it; the "
-                             f"quietest attempt is kept (default 0)")
+                        help=f"for a shared machine: wait (up to {QUIET_WAIT_MAX:g} s) for other "
+                             f"processes to go quiet before each cell, and re-time a cell up to N "
+                             f"times while they used > {BUSY_SHARE * 100:.0f}%% of the CPUs "
+                             f"during it; the quietest attempt is kept (default 0: no waiting)")
     return parser
 
 
@@ -101,14 +104,26 @@ def settings_from(args):
                     retries=max(0, args.retry_busy))
 
 
+def wait_until_quiet(max_wait=QUIET_WAIT_MAX, window=1.0):
+    """Sleep until other processes use at most BUSY_SHARE of the CPUs over
+    ``window`` seconds, or ``max_wait`` seconds have passed."""
+    deadline = time.perf_counter() + max_wait
+    while True:
+        with ForeignLoad() as load:
+            time.sleep(window)
+        if load.share is None or load.share <= BUSY_SHARE or time.perf_counter() > deadline:
+            return
+
+
 def run_cell(blocks, settings):
-    """run_rounds under ``settings``, re-run while other processes disturbed
-    it (see BUSY_SHARE), at most settings.retries times.  Returns
-    (timings, share of the CPUs others used) of the quietest attempt."""
+    """run_rounds under ``settings``.  With settings.retries, each attempt
+    first waits for a quiet machine (wait_until_quiet), and a disturbed
+    attempt (see BUSY_SHARE) is repeated up to settings.retries times.
+    Returns (timings, share of the CPUs others used) of the quietest attempt."""
     best = None
-    for attempt in range(settings.retries + 1):
-        if attempt:
-            time.sleep(BUSY_WAIT)
+    for _ in range(settings.retries + 1):
+        if settings.retries:
+            wait_until_quiet()
         with ForeignLoad() as load:
             timings = run_rounds(blocks, settings.rounds, settings.budget, settings.min_reps,
                                  settings.pause)
