@@ -327,16 +327,22 @@ def _check_grad_output(grad_output, dtype, nhwc_shape, layout):
     return _channels_last(dy)
 
 
-def _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout):
-    x, weight, layout = _check_arrays(x, weight, layout)
-    padding_mode = _args.choice(padding_mode, "padding_mode", _args.PADDING_MODES)
+def _check_grouping(x, groups, stride, dilation):
+    """groups, stride and dilation normalised; groups must divide x's channels."""
     groups = _args.positive_int(groups, "groups")
     stride = _args.positive_pair(stride, "stride")
     dilation = _args.positive_pair(dilation, "dilation")
+    if x.shape[3] % groups:
+        raise ValueError(f"groups={groups} does not divide the {x.shape[3]} channels of x")
+    return groups, stride, dilation
+
+
+def _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout):
+    x, weight, layout = _check_arrays(x, weight, layout)
+    padding_mode = _args.choice(padding_mode, "padding_mode", _args.PADDING_MODES)
+    groups, stride, dilation = _check_grouping(x, groups, stride, dilation)
     N, H, W, C = x.shape
     OC, KH, KW, Cg = weight.shape
-    if C % groups:
-        raise ValueError(f"groups={groups} does not divide the {C} channels of x")
     if OC % groups:
         raise ValueError(f"groups={groups} does not divide the {OC} output channels of weight")
     if Cg != C // groups:
@@ -362,14 +368,10 @@ class _Transposed(NamedTuple):
 
 def _transpose_setup(x, weight, stride, padding, output_padding, groups, dilation, layout):
     x, weight, layout = _check_arrays(x, weight, layout)
-    groups = _args.positive_int(groups, "groups")
-    stride = _args.positive_pair(stride, "stride")
-    dilation = _args.positive_pair(dilation, "dilation")
+    groups, stride, dilation = _check_grouping(x, groups, stride, dilation)
     output_padding = _args.int_pair(output_padding, "output_padding")
     N, H, W, C = x.shape
     C_w, KH, KW, OCg = weight.shape
-    if C % groups:
-        raise ValueError(f"groups={groups} does not divide the {C} channels of x")
     if C_w != C:
         raise ValueError(f"weight has {C_w} input channels (its first axis), x has {C}")
     pads = _args.explicit_padding(padding)
