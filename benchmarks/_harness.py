@@ -17,6 +17,7 @@ import contextlib
 import io
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ __all__ = [
     "add_common_arguments", "settings_from", "Settings", "run_cell", "wait_until_quiet",
     "libraries_from",
     "environment_report", "ConvLayer", "resnet50_layers", "write_markdown",
-    "print_section",
+    "print_section", "finish_run",
 ]
 
 
@@ -283,3 +284,19 @@ def write_markdown(path, title, preamble, sections):
         parts.append(_markdown_table(headers, rows, *label_columns))
     with open(path, "w") as f:
         f.write("\n\n".join(parts) + "\n")
+
+
+def finish_run(started, shares, ok, failure, markdown, title, preamble, sections):
+    """The closing lines of a benchmark script: total time and how busy the
+    machine was (shares: other processes' CPU share per timed cell), the
+    failure line when a fastconv result was wrong, the markdown file.
+    Returns the exit status."""
+    summary = f"total time {time.perf_counter() - started:.0f} s"
+    if shares:
+        summary += (f"; other processes used {statistics.mean(shares):.0%} of the CPUs on "
+                    f"average while cells were timed (max {max(shares):.0%})")
+    print(f"\n{summary}" + ("" if ok else f"\n{failure}"))
+    if markdown:
+        write_markdown(markdown, title, preamble + [summary], sections)
+        print(f"markdown written to {markdown}")
+    return 0 if ok else 1

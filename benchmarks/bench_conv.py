@@ -36,7 +36,6 @@ import ctypes
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -731,16 +730,8 @@ def main():
 
     shares = [s for c in all_cells for s in (c.forward_share, c.backward_share, c.ort_share)
               if s is not None]
-    summary = f"total time {time.perf_counter() - started:.0f} s"
-    if shares:
-        summary += (f"; other processes used {statistics.mean(shares):.0%} of the CPUs on "
-                    f"average while cells were timed (max {max(shares):.0%})")
-    print(f"\n{summary}" + ("" if ok else "\nSOME FASTCONV RESULTS ARE WRONG (FAIL)"))
-    if args.markdown:
-        h.write_markdown(args.markdown, "fastconv convolution benchmark", preamble + [summary],
-                         sections)
-        print(f"markdown written to {args.markdown}")
-    return 0 if ok else 1
+    return h.finish_run(started, shares, ok, "SOME FASTCONV RESULTS ARE WRONG (FAIL)", args.markdown,
+                        "fastconv convolution benchmark", preamble, sections)
 
 
 if __name__ == "__main__":

@@ -372,16 +372,8 @@ def main():
             h.print_section(*section)
             sections.append(section)
 
-    summary = f"total time {time.perf_counter() - started:.0f} s"
-    if shares:
-        summary += (f"; other processes used {statistics.mean(shares):.0%} of the CPUs on "
-                    f"average while cells were timed (max {max(shares):.0%})")
-    print(f"\n{summary}" + ("" if ok else "\nFASTCONV LOGITS ARE WRONG (FAIL)"))
-    if args.markdown:
-        h.write_markdown(args.markdown, "fastconv ResNet-18 benchmark", preamble + [summary],
-                         sections)
-        print(f"markdown written to {args.markdown}")
-    return 0 if ok else 1
+    return h.finish_run(started, shares, ok, "FASTCONV LOGITS ARE WRONG (FAIL)", args.markdown,
+                        "fastconv ResNet-18 benchmark", preamble, sections)
 
 
 def h_percent(share):
