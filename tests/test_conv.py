@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import fastconv
 import fastconv.conv
 from fastconv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
+from reference import explicit_pads
 
 LAYOUTS = ("NHWC", "NCHW")
 DTYPES = (np.float64, np.float32)
@@ -23,24 +24,6 @@ MEMORY = ("contiguous", "strided", "permuted")
 
 
 # ----------------------------------------------------------------- helpers
-
-def explicit_pads(padding, hw, kernel, stride, dilation):
-    """((top, bottom), (left, right)) for every padding form, computed
-    independently of fastconv._args ("same" is SAME_UPPER)."""
-    if padding == "valid":
-        return ((0, 0), (0, 0))
-    if padding == "same":
-        pads = []
-        for n, k, s, d in zip(hw, kernel, stride, dilation):
-            total = max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
-            pads.append((total // 2, total - total // 2))
-        return tuple(pads)
-    if isinstance(padding, int):
-        return ((padding, padding), (padding, padding))
-    if isinstance(padding[0], int):
-        return ((padding[0],) * 2, (padding[1],) * 2)
-    return tuple(tuple(p) for p in padding)
-
 
 def random_padding(form, rng):
     return {"int": rng.randint(0, 3),

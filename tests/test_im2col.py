@@ -1,6 +1,5 @@
 """im2col / col2im: against slicing-based numpy references, adjointness,
 strided inputs, thread-count independence and error paths."""
-import math
 import random
 import zlib
 
@@ -9,24 +8,7 @@ import pytest
 
 import fastconv
 from fastconv import col2im, im2col
-
-
-def explicit_pads(padding, hw, kernel, stride, dilation):
-    """((top, bottom), (left, right)) for every padding form, written
-    independently of fastconv._args."""
-    if padding == "valid":
-        return ((0, 0), (0, 0))
-    if padding == "same":
-        pads = []
-        for n, k, s, d in zip(hw, kernel, stride, dilation):
-            total = max((math.ceil(n / s) - 1) * s + (k - 1) * d + 1 - n, 0)
-            pads.append((total // 2, total - total // 2))
-        return tuple(pads)
-    if isinstance(padding, int):
-        return ((padding, padding), (padding, padding))
-    if isinstance(padding[0], int):
-        return ((padding[0],) * 2, (padding[1],) * 2)
-    return tuple(tuple(p) for p in padding)
+from reference import explicit_pads
 
 
 def output_hw(hw, kernel, stride, pads, dilation):
