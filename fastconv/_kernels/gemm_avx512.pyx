@@ -2,10 +2,10 @@
 # AVX-512 build (x86-64-v4) of gemm_frame.pxi.
 cdef extern from *:
     """
-    /* 32 zmm registers: a 14x32 float tile is 28 accumulators + 2 B vectors
-       + 1 broadcast.  KC x NR of B (32 KiB) streams from L2 while the A
-       micro-panel (14 KiB) stays in L1; a KC x NC block of B is 512 KiB, half
-       of a Zen 4 / Skylake-SP L2. */
+    /* 32 zmm registers: a 12x32 float tile is 24 accumulators + 2 B vectors
+       + 1 broadcast (12x32 measured ahead of 14x32 and 8x48 on Zen 4).  The
+       A slice (12 x KC, 12 KiB) stays in L1 while B panels (KC x NR, 32 KiB)
+       stream from L2; a KC x NC block of B is 256 KiB. */
     #define FC_VBYTES 64
     #define FC_S_MR 12
     #define FC_S_NR 32
