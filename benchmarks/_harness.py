@@ -42,7 +42,7 @@ __all__ = [
     "add_common_arguments", "settings_from", "Settings", "run_cell", "wait_until_quiet",
     "libraries_from",
     "environment_report", "ConvLayer", "resnet50_layers", "write_markdown",
-    "print_section", "finish_run",
+    "print_section", "finish_run", "positive_int_list",
 ]
 
 
@@ -88,14 +88,21 @@ def add_common_arguments(parser):
     return parser
 
 
-def _thread_list(text):
-    try:
-        counts = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}")
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be >= 1: {text!r}")
-    return counts
+def positive_int_list(what):
+    """An argparse type: a comma-separated list of positive ints (``what``
+    names them in the error, e.g. "thread counts")."""
+    def parse(text):
+        try:
+            values = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}")
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be >= 1: {text!r}")
+        return values
+    return parse
+
+
+_thread_list = positive_int_list("thread counts")
 
 
 def settings_from(args):

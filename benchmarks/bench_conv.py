@@ -625,14 +625,7 @@ def accuracy_section(cells):
 
 # --------------------------------------------------------------- main
 
-def _batch_list(text):
-    try:
-        batches = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}")
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1: {text!r}")
-    return batches
+_batch_list = h.positive_int_list("batch sizes")
 
 
 def main():
