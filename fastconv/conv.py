@@ -145,16 +145,42 @@ def _group_slices(groups, C, OC):
 
 
 #: conv2d's algorithm choices; see _choose_algorithm.
-ALGORITHMS = ("auto", "implicit", "im2col", "gemm1x1", "direct")
+ALGORITHMS = ("auto", "implicit", "im2col", "gemm1x1", "direct", "winograd")
 #: conv2d's fused activations, as the kernels' epilogue codes.
 _ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 
 
-def _choose_algorithm(algorithm, groups, C, geo, in_hw):
+def _is_winograd(geo):
+    # Winograd F(4x4, 3x3): 3x3 kernels at stride 1 and dilation 1 (any
+    # padding, any output size: partial tiles are cut at the edges).
+    return geo.kernel == (3, 3) and geo.stride == (1, 1) and geo.dilation == (1, 1)
+
+
+def _winograd_pays(N, geo, Cg, OCg, prepacked):
+    """Whether Winograd beats implicit GEMM for this 3x3 stride-1 layer (per
+    group).  Measured on Zen 4 (benchmarks/README.md, "Winograd"): with
+    packed filters it ran 2-3.5x faster on every ResNet 3x3 layer, down to
+    one 7x7 image.  Two things cost it: the filter transform, 36 x C x OC
+    values written per call unless prepacked -- paid back only when there
+    are enough tiles to spread it over (tens per 64 KiB of transformed
+    filters) -- and thin channels, where the 36 GEMMs are too shallow or
+    narrow for the micro-kernel and the transforms dominate."""
+    if Cg < 8 or OCg < 8:
+        return False
+    tiles = N * -(-geo.out_hw[0] // 4) * -(-geo.out_hw[1] // 4)
+    if prepacked:
+        return True
+    return tiles >= 12 + Cg * OCg // 4096
+
+
+def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
     """The forward algorithm: "auto" picks by shape; a forced one must apply.
 
     - "direct": depthwise (groups == C > 1), a kernel vectorised over channels;
     - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is;
+    - "winograd": 3x3, stride 1, dilation 1: Winograd F(4x4, 3x3), 36 GEMMs
+      in the transformed domain (2.25x fewer multiplications; see
+      _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
     - "im2col": the whole patch matrix, then one GEMM per group (the
@@ -163,23 +189,32 @@ def _choose_algorithm(algorithm, groups, C, geo, in_hw):
     if algorithm == "auto":
         if _is_depthwise(groups, C):
             return "direct"
-        return "gemm1x1" if _is_pointwise(geo, in_hw) else "implicit"
+        if _is_pointwise(geo, in_hw):
+            return "gemm1x1"
+        if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):
+            return "winograd"
+        return "implicit"
     if algorithm == "direct" and not _is_depthwise(groups, C):
         raise ValueError(f"algorithm='direct' is the depthwise kernel: it needs groups == C > 1 "
                          f"(got groups={groups}, C={C})")
     if algorithm == "gemm1x1" and not _is_pointwise(geo, in_hw):
         raise ValueError("algorithm='gemm1x1' needs a 1x1 kernel with stride 1 and no padding")
+    if algorithm == "winograd" and not _is_winograd(geo):
+        raise ValueError(f"algorithm='winograd' needs a 3x3 kernel with stride 1 and dilation 1 "
+                         f"(got kernel {geo.kernel}, stride {geo.stride}, "
+                         f"dilation {geo.dilation})")
     return algorithm
 
 
 def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, packed=None):
     """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias,
-    then the activation.  packed: None, or a callable giving the implicit
-    algorithm's packed weights for (kernels, group)."""
+    then the activation.  packed: None, or a callable giving the packed
+    weights for (kernels, group, algorithm)."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
-    algorithm = _choose_algorithm(algorithm, groups, C, geo, x.shape[1:3])
+    algorithm = _choose_algorithm(algorithm, groups, C, OC, N, geo, x.shape[1:3],
+                                  packed is not None)
     act = _ACTIVATIONS[activation]
     y = np.empty((N, OH, OW, OC), x.dtype)
     if y.size == 0:
@@ -202,9 +237,13 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             cols = np.empty((y_rows.shape[0], K), x.dtype)
             kernels.im2col(x[..., c], cols, *geo, nt)
             kernels.gemm(1.0, cols, w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
+        elif algorithm == "winograd":
+            kernels.conv2d_winograd(x[..., c], w2d[oc], b, y_rows[:, oc], geo.pad_before,
+                                    geo.out_hw, nt, act,
+                                    None if packed is None else packed(kernels, g, algorithm))
         else:
             kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act,
-                                   None if packed is None else packed(kernels, g))
+                                   None if packed is None else packed(kernels, g, algorithm))
     return y
 
 
@@ -450,8 +489,13 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     x, weight and bias must share one dtype, float32 or float64.
 
     algorithm: "auto" (default: "direct" for depthwise, "gemm1x1" for 1x1
-    stride-1 unpadded, else "implicit"), or one of those or "im2col" to force
-    it (ValueError where it does not apply).  activation: None, "relu" or
+    stride-1 unpadded, "winograd" for 3x3 stride-1 layers with enough
+    channels and tiles, else "implicit"), or one of those or "im2col" to
+    force it (ValueError where it does not apply).  Winograd F(4x4, 3x3)
+    rounds differently from the direct methods (float32 error vs a float64
+    reference a few times larger; benchmarks/README.md has the figures),
+    and a NaN or inf in an input window spreads over its whole 4x4 output
+    tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
     still in cache.
     """
@@ -470,42 +514,52 @@ class PackedConv2d:
     weights can cost as much as convolving a single image.
 
     ``PackedConv2d(weight, bias=None, stride=1, padding=0, dilation=1,
-    groups=1, *, padding_mode="zeros", layout="NHWC", activation=None)``
-    takes conv2d's arguments except x; ``packed(x)`` equals
-    ``conv2d(x, weight, bias, ..., activation=activation)``.  The weights and
+    groups=1, *, padding_mode="zeros", layout="NHWC", activation=None,
+    algorithm="auto")`` takes conv2d's arguments except x; ``packed(x)``
+    equals ``conv2d(x, weight, bias, ..., activation=activation,
+    algorithm=a)`` for the algorithm a it runs: the forced one, or auto's
+    choice for prepacked filters (see below), which can be Winograd where
+    conv2d's per-call auto is not.  The weights and
     bias are copied: changing the arrays afterwards does not change the
     layer.  Packing happens at the first call with each kernel build
-    (FASTCONV_ISA / use_isa), for the groups that run the implicit algorithm.
+    (FASTCONV_ISA / use_isa), for the groups that run the implicit or the
+    Winograd algorithm (Winograd-domain filters, G g G^T, for the latter).
+    With the filter transform paid once, "auto" takes Winograd for every
+    3x3 stride-1 layer with at least 8 input and output channels per group.
     """
 
     def __init__(self, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
-                 padding_mode="zeros", layout="NHWC", activation=None):
+                 padding_mode="zeros", layout="NHWC", activation=None, algorithm="auto"):
         layout = _args.choice(layout, "layout", _args.LAYOUTS)
         weight = _args.float_array(weight, "weight", 4)
         self.weight = np.array(weight)                    # the caller's layout, owned
         self.bias = None if bias is None else np.array(
             _check_bias(bias, weight.dtype, _to_nhwc(weight, layout).shape[0]))
         _check_activation(activation)
+        self.algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
         self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
                             padding_mode=padding_mode, layout=layout)
         self.activation = activation
         self._w2d = _weight_matrix(_to_nhwc(self.weight, layout))
         self._packs = {}   # (ISA, group) -> packed weights
 
-    def _packed(self, kernels, group):
-        key = (kernels.ISA, group)
+    def _packed(self, kernels, group, algorithm):
+        key = (kernels.ISA, algorithm, group)
         if key not in self._packs:
             OCg = self._w2d.shape[0] // self.options["groups"]
             w_group = np.ascontiguousarray(self._w2d[group * OCg:(group + 1) * OCg])
-            kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
-            self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
+            if algorithm == "winograd":
+                self._packs[key] = kernels.pack_winograd_weights(w_group, get_num_threads())
+            else:
+                kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
+                self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
         return self._packs[key]
 
     def __call__(self, x):
         o = self.options
         c = _conv_setup(x, self.weight, o["stride"], o["padding"], o["dilation"], o["groups"],
                         o["padding_mode"], o["layout"])
-        y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, "auto",
+        y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, self.algorithm,
                      self.activation, self._packed)
         return _from_nhwc(y, c.layout)
 

@@ -795,7 +795,7 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
 
 ALGORITHM_CASES = [
     # x_shape, w_shape, kwargs, algorithms that apply
-    ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1), ("implicit", "im2col")),
+    ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1), ("implicit", "im2col", "winograd")),
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2), ("implicit", "im2col")),
     ((2, 7, 6, 12), (20, 1, 1, 12), {}, ("implicit", "im2col", "gemm1x1")),
     ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10), ("implicit", "im2col", "direct")),
@@ -829,7 +829,8 @@ def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, al
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "gemm1x1", "1x1"),
     ((1, 5, 5, 4), (4, 1, 1, 4), dict(stride=2), "gemm1x1", "stride 1"),
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "direct", "groups == C"),
-    ((1, 5, 5, 4), (4, 3, 3, 4), {}, "winograd", "algorithm"),
+    ((1, 5, 5, 4), (4, 3, 3, 4), dict(stride=2), "winograd", "stride 1"),
+    ((1, 5, 5, 4), (4, 3, 3, 4), {}, "fft", "algorithm"),
 ])
 def test_forced_algorithm_that_does_not_apply_is_refused(x_shape, w_shape, kwargs, algorithm,
                                                          message):
@@ -862,13 +863,18 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
     w = rng.standard_normal(w_shape).astype(dtype)
     b = rng.standard_normal(w_shape[0]).astype(dtype)
     with fastconv._dispatch.use_isa(isa):
-        layer = fastconv.PackedConv2d(w, b, **kwargs)
-        w[...] = 0                       # the layer owns copies
+        layer = fastconv.PackedConv2d(w, b, **kwargs, algorithm="implicit")
+        auto = fastconv.PackedConv2d(w, b, **kwargs)
+        w[...] = 0                       # the layers own copies
         b[...] = 0
-        expected = conv2d(x, layer.weight, layer.bias, **kwargs)
+        expected = conv2d(x, layer.weight, layer.bias, **kwargs, algorithm="implicit")
         for _ in range(2):               # packed once, reused
             np.testing.assert_array_equal(layer(x), expected)
         np.testing.assert_array_equal(layer(x[:1]), expected[:1])
+        # auto may run Winograd on the prepacked filters (its own tests
+        # bound that error): close, not bitwise.
+        assert_close(auto(x), expected.astype(np.float64), dtype, w[0].size * 10,
+                     "auto-packed")
 
 
 def test_packed_weights_of_another_layer_are_refused():

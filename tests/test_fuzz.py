@@ -523,13 +523,17 @@ def geometry(draw, modes=True):
     g["padding"] = maybe(draw, pad_forms, [-1, (1, -1), "full", 1.0, ((1, 2), 3), (1, 2, 3)], 0.05)
     g["big_batch"] = chance(draw, 0.04)
     g["algorithm"] = "auto" if not chance(draw, 0.4) else maybe(
-        draw, st.sampled_from(["implicit", "im2col", "gemm1x1", "direct"]), ["fft", None], 0.05)
+        draw, st.sampled_from(["implicit", "im2col", "gemm1x1", "direct", "winograd"]),
+        ["fft", None], 0.05)
     g["activation"] = draw(st.sampled_from([None, None, "relu", "relu6"])) if not \
         chance(draw, 0.01) else "gelu"
     # Mostly give a forced algorithm the shape it needs.
     if g["algorithm"] == "direct" and not chance(draw, 0.2):
         g["Cg"], g["groups"] = 1, max(groups, 2)
         g["groups_n"] = g["groups"]
+    if g["algorithm"] == "winograd" and not chance(draw, 0.2):
+        g["K"], g["stride"], g["dilation"] = (3, 3), 1, 1
+        g["H"], g["W"] = (draw(st.integers(0, 9)) for _ in "HW")
     if g["algorithm"] == "gemm1x1" and not chance(draw, 0.2):
         g["K"], g["stride"] = (1, 1), 1
         if g["mode"] == "zeros":
@@ -776,12 +780,15 @@ def _conv_model(g, x_spec, w_spec, bias_spec):
     if not (activation is None or activation in ("relu", "relu6")):
         raise Invalid("activation")
     algorithm = m_choice(g.get("algorithm", "auto"), ("auto", "implicit", "im2col", "gemm1x1",
-                                                       "direct"))
+                                                       "direct", "winograd"))
     if algorithm == "direct" and not (groups == C and C > 1):
         raise Invalid("direct needs depthwise")
     if algorithm == "gemm1x1" and not (g["K"] == (1, 1) and stride == (1, 1) and (
             mode != "zeros" or pads == ((0, 0), (0, 0)))):
         raise Invalid("gemm1x1 needs a pointwise convolution")
+    if algorithm == "winograd" and not (g["K"] == (3, 3) and stride == (1, 1)
+                                        and dilation == (1, 1)):
+        raise Invalid("winograd needs 3x3, stride 1, dilation 1")
     return layout, dtype, mode, pads, out_hw, groups, stride, dilation
 
 
@@ -863,6 +870,12 @@ if IN_CHILD:
             ref = ref_conv2d(xs, ws, b_seen, stride, pads, dilation, groups, mode)
             ref_abs = ref_conv2d(np.abs(xs), np.abs(ws), None if b_seen is None else np.abs(b_seen),
                                  stride, pads, dilation, groups, mode)
+            if g["algorithm"] == "winograd":
+                # Winograd mixes each 6x6 input window: its error is bounded
+                # normwise (here 10x the direct method's bound at the
+                # largest output), not element by element.  (Auto, packed
+                # or not, never takes it for these few channels.)
+                ref_abs = np.full_like(ref_abs, ref_abs.max(initial=0) * 10)
             assert_close(got, activate(ref, g["activation"]), ref_abs,
                          int(np.prod(ws.shape[1:])), dtype, "conv2d")
             for v, b0 in zip((X, Wt), before):

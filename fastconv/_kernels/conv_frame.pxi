@@ -711,12 +711,28 @@ cdef Py_ssize_t conv_weight_layout(real dtype_tag, Py_ssize_t KH, Py_ssize_t KW,
 
 
 class PackedWeights:
-    """Weights packed by pack_conv_weights: the packed values and what they
-    were packed from, so that conv2d_forward can refuse a mismatch."""
-    __slots__ = ("data", "isa", "shape", "kernel")
+    """Weights packed by pack_conv_weights ("implicit") or
+    pack_winograd_weights ("winograd"): the packed values and what they
+    were packed from, so that a convolution can refuse a mismatch."""
+    __slots__ = ("data", "isa", "shape", "kernel", "algorithm")
 
-    def __init__(self, data, isa, shape, kernel):
+    def __init__(self, data, isa, shape, kernel, algorithm):
         self.data, self.isa, self.shape, self.kernel = data, isa, shape, kernel
+        self.algorithm = algorithm
+
+
+cdef const real* checked_packed(packed, real dtype_tag, str algorithm, shape,
+                                kernel) except? NULL:
+    # packed.data's address, after checking it was packed for this call;
+    # NULL when packed is None.
+    if packed is None:
+        return NULL
+    if (packed.isa != ISA or packed.algorithm != algorithm or packed.shape != shape
+            or packed.kernel != kernel):
+        raise ValueError(f"packed weights are {packed.algorithm} {packed.shape} {packed.kernel} "
+                         f"for {packed.isa}; this call is {algorithm} {shape} {kernel} for {ISA}")
+    cdef const real[::1] data = packed.data      # (a dtype mismatch raises here)
+    return &data[0]
 
 
 def pack_conv_weights(const real[:, ::1] w, kernel, int num_threads):
@@ -736,7 +752,7 @@ def pack_conv_weights(const real[:, ::1] w, kernel, int num_threads):
         pack_b_blocks_into(blocks, n_kb, OC, &w[0, 0], 1, w.strides[0] // sizeof(real),
                            nc_blk, num_threads, &dst[0])
     free(blocks)
-    return PackedWeights(packed, ISA, (OC, KH * KW * C), (KH, KW))
+    return PackedWeights(packed, ISA, (OC, KH * KW * C), (KH, KW), "implicit")
 
 
 def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
@@ -757,15 +773,8 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
     if bias is not None:
         bias_view = bias
         bias_ptr = &bias_view[0]
-    cdef const real[::1] packed_view
-    cdef const real* packed_ptr = NULL
-    if packed is not None:
-        if (packed.isa != ISA or packed.shape != (w.shape[0], w.shape[1])
-                or packed.kernel != (g.KH, g.KW)):
-            raise ValueError(f"packed weights are {packed.shape} {packed.kernel} for {packed.isa}; "
-                             f"this call has {(w.shape[0], w.shape[1])} {(g.KH, g.KW)} for {ISA}")
-        packed_view = packed.data      # (a dtype mismatch raises here)
-        packed_ptr = &packed_view[0]
+    cdef const real* packed_ptr = checked_packed(packed, <real>0, "implicit",
+                                                 (w.shape[0], w.shape[1]), (g.KH, g.KW))
     cdef int status
     with nogil:
         status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,

@@ -1,0 +1,284 @@
+# Winograd F(4x4, 3x3) convolution for 3x3, stride-1, dilation-1 layers,
+# included after gemm_frame.pxi and conv_frame.pxi by the per-ISA modules.
+#
+# Per chunk of 4x4 output tiles (all threads on one chunk at a time):
+#   1. input transform: each tile's 6x6 input window -> 36 rows, one per
+#      Winograd point, of V[point][tile][c]                 (threads: tiles)
+#   2. 36 GEMMs M[point] = V[point] (tiles x C) @ U[point] (C x OC) on the
+#      micro-kernel, U the transformed filters packed once  (threads: points)
+#   3. output transform: 36 rows of M -> the tile's 4x4 pixels, + bias and
+#      the activation, stored into y                        (threads: tiles)
+# A chunk's V and M stay within a few MiB (workspace independent of the
+# batch), and it is long enough (WINO_MIN_TILES) that streaming all 36
+# packed U through the cache once per chunk costs little next to its
+# multiplications.  Splitting the GEMM phase by points means each thread
+# reads only its own share of U: at batch 1 on a 7x7 or 14x14 image, where
+# tiles are few, U is most of the traffic.
+
+cdef extern from "winograd_kernel.h":
+    void fc_wino_input_f32(const float* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
+                           int s0, int s1, Py_ssize_t C, float* v, Py_ssize_t sv) noexcept nogil
+    void fc_wino_input_f64(const double* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
+                           int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
+    void fc_wino_filter_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter1_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    enum:
+        VBYTES "FC_VBYTES"
+    void fc_wino_output_f32(const float* m, Py_ssize_t sm, Py_ssize_t K, const float* bias,
+                            int act, float* y, Py_ssize_t syh, Py_ssize_t syw,
+                            int rows, int cols) noexcept nogil
+    void fc_wino_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
+                            int act, double* y, Py_ssize_t syh, Py_ssize_t syw,
+                            int rows, int cols) noexcept nogil
+
+cdef enum:
+    WINO_TILE = 4        # output pixels per tile side
+    WINO_WINDOW = 6      # input pixels per tile side
+    WINO_POINTS = 36
+    # Fewest tiles per chunk: U (36 x C x OC) is streamed once per chunk.
+    WINO_MIN_TILES = 48
+
+# Bytes of V and M per chunk: a budget a test can shrink to force many chunks.
+cdef Py_ssize_t wino_chunk_bytes = 2 * 1024 * 1024
+
+
+def set_winograd_chunk_bytes(Py_ssize_t nbytes):
+    """Set the Winograd V+M chunk budget (tests only: not thread-safe);
+    returns the previous value."""
+    global wino_chunk_bytes
+    previous = wino_chunk_bytes
+    wino_chunk_bytes = max(1, nbytes)
+    return previous
+
+
+cdef struct WinoLayout:
+    # How U is packed: the GEMM k-blocks over C, the block width over OC,
+    # and the size of one point's packed matrix.
+    Py_ssize_t n_kb, nc_blk, point_size
+
+
+cdef KBlock* wino_layout(real dtype_tag, Py_ssize_t C, Py_ssize_t OC,
+                         WinoLayout* lay) noexcept nogil:
+    # The k-blocks (malloc'ed, the caller frees; NULL when out of memory).
+    cdef Py_ssize_t kc_blk
+    block_sizes(<real>0, C, OC, &kc_blk, &lay.nc_blk)
+    cdef KBlock* blocks = <KBlock*>malloc(cdiv(C, kc_blk) * sizeof(KBlock))
+    if blocks != NULL:
+        lay.n_kb = uniform_k_blocks(C, kc_blk, blocks)
+        lay.point_size = packed_b_size(blocks, lay.n_kb, OC, lay.nc_blk)
+    return blocks
+
+
+cdef void transpose_into(Py_ssize_t rows, Py_ssize_t cols, const real* a, Py_ssize_t rsa,
+                         real* at, int nt) noexcept nogil:
+    # at (cols x rows, contiguous) = a.T, in 32 x 32 blocks so that both
+    # sides stream whole cache lines.
+    cdef Py_ssize_t B = 32, nbc = cdiv(cols, 32), blk, i0, j0, i, j
+    for blk in prange(cdiv(rows, B) * nbc, num_threads=nt, schedule="static"):
+        i0 = (blk // nbc) * B
+        j0 = (blk % nbc) * B
+        for j in range(j0, min(cols, j0 + B)):
+            for i in range(i0, min(rows, i0 + B)):
+                at[j * rows + i] = a[i * rsa + j]
+
+
+cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
+                           const KBlock* blocks, const WinoLayout* lay, int nt,
+                           real* dst) noexcept nogil:
+    # w (OC x 9*C, OHWI rows rsw apart) -> U = G g G^T per (oc, c), written
+    # straight into the packed layout of the GEMM's B operand (C x OC) of
+    # each point, point p at dst + p*point_size.  The transform runs on
+    # vectors of output channels: the weight is transposed to (tap, c, OC)
+    # first, and a vector of VL output channels (VL divides NR) then lands
+    # as VL contiguous values of one packed panel row.  Returns -1 when out
+    # of memory.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t VL = VBYTES // sizeof(real)
+    cdef Py_ssize_t kc_blk = blocks[0].kc, kc_max = max_block_depth(blocks, lay.n_kb)
+    cdef real* wt = <real*>aligned_malloc(9 * C * OC * sizeof(real))
+    if wt == NULL:
+        return -1
+    transpose_into(OC, 9 * C, w, rsw, wt, nt)
+    if OC % NR:
+        # The columns past OC of the last panels multiply into discarded
+        # accumulators; zeros keep NaN and subnormals out of them.
+        memset(dst, 0, WINO_POINTS * lay.point_size * sizeof(real))
+    cdef Py_ssize_t n_vec = OC // VL, c, kb, j, oc, jb, off
+    for c in prange(C, num_threads=nt, schedule="static"):
+        kb = c // kc_blk
+        # n_vec vectors of VL output channels, then the tail one by one.
+        for j in range(n_vec + OC % VL):
+            oc = j * VL if j < n_vec else n_vec * VL + (j - n_vec)
+            jb = oc // lay.nc_blk
+            off = ((jb * lay.n_kb + kb) * kc_max * lay.nc_blk
+                   + (oc - jb * lay.nc_blk) // NR * NR * blocks[kb].kc
+                   + (c - blocks[kb].k0) * NR + oc % NR)
+            if j < n_vec:
+                if real is float:
+                    fc_wino_filter_f32(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+                else:
+                    fc_wino_filter_f64(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+            elif real is float:
+                fc_wino_filter1_f32(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+            else:
+                fc_wino_filter1_f64(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+    aligned_free(wt)
+    return 0
+
+
+cdef inline Py_ssize_t wino_chunk_tiles(real dtype_tag, Py_ssize_t ldv, Py_ssize_t ldm,
+                                        Py_ssize_t tiles) noexcept nogil:
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef Py_ssize_t per_tile = WINO_POINTS * (ldv + ldm) * <Py_ssize_t>sizeof(real)
+    cdef Py_ssize_t n = wino_chunk_bytes // per_tile
+    if wino_chunk_bytes >= CHUNK_BYTES_FLOOR:
+        n = max(n, WINO_MIN_TILES)
+    n = max(MR, n // MR * MR)
+    return min(n, tiles)
+
+
+cdef void wino_input_tile(const ConvGeom* g, const real* x, ImageStrides xs,
+                          Py_ssize_t tile, Py_ssize_t tiles_h, Py_ssize_t tiles_w,
+                          real* v, Py_ssize_t sv) noexcept nogil:
+    cdef Py_ssize_t n = tile // (tiles_h * tiles_w)
+    cdef Py_ssize_t r = tile - n * tiles_h * tiles_w
+    cdef Py_ssize_t ih0 = (r // tiles_w) * WINO_TILE - g.PT
+    cdef Py_ssize_t iw0 = (r % tiles_w) * WINO_TILE - g.PL
+    # The window rows r0..r1 and columns s0..s1 inside the image; img is
+    # its first pixel there (no pointer outside the image is formed).
+    cdef int r0 = <int>max(0, -ih0), r1 = <int>min(WINO_WINDOW, g.H - ih0)
+    cdef int s0 = <int>max(0, -iw0), s1 = <int>min(WINO_WINDOW, g.W - iw0)
+    cdef const real* img = x + n * xs.n
+    if r1 <= r0 or s1 <= s0:
+        r0 = r1 = s0 = s1 = 0        # a window wholly in the padding
+    else:
+        img = img + (ih0 + r0) * xs.h + (iw0 + s0) * xs.w
+    if real is float:
+        fc_wino_input_f32(img, xs.h, xs.w, r0, r1, s0, s1, g.C, v, sv)
+    else:
+        fc_wino_input_f64(img, xs.h, xs.w, r0, r1, s0, s1, g.C, v, sv)
+
+
+cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_ssize_t OC,
+                           const real* bias, int act, Py_ssize_t tile,
+                           Py_ssize_t tiles_h, Py_ssize_t tiles_w,
+                           real* y, Py_ssize_t rsy) noexcept nogil:
+    cdef Py_ssize_t n = tile // (tiles_h * tiles_w)
+    cdef Py_ssize_t r = tile - n * tiles_h * tiles_w
+    cdef Py_ssize_t oh = (r // tiles_w) * WINO_TILE, ow = (r % tiles_w) * WINO_TILE
+    cdef int rows = <int>min(WINO_TILE, g.OH - oh), cols = <int>min(WINO_TILE, g.OW - ow)
+    cdef real* dst = y + ((n * g.OH + oh) * g.OW + ow) * rsy
+    if real is float:
+        fc_wino_output_f32(m, sm, OC, bias, act, dst, g.OW * rsy, rsy, rows, cols)
+    else:
+        fc_wino_output_f64(m, sm, OC, bias, act, dst, g.OW * rsy, rsy, rows, cols)
+
+
+cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                                const real* w, Py_ssize_t rsw, Py_ssize_t OC,
+                                const real* bias, int act, real* y, Py_ssize_t rsy,
+                                const real* prepacked, int max_threads) noexcept nogil:
+    # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias): the
+    # same contract as conv_forward_nogil for KH = KW = 3, stride 1,
+    # dilation 1.  prepacked: NULL or pack_winograd_weights' U.
+    cdef Py_ssize_t tiles_h = cdiv(g.OH, WINO_TILE), tiles_w = cdiv(g.OW, WINO_TILE)
+    cdef Py_ssize_t tiles = g.N * tiles_h * tiles_w
+    cdef int nt = threads_for(2.0 * WINO_POINTS * tiles * g.C * OC, max_threads)
+    cdef WinoLayout lay
+    cdef KBlock* blocks = wino_layout(<real>0, g.C, OC, &lay)
+    if blocks == NULL:
+        return -1
+    cdef real* upack = <real*>prepacked
+    if prepacked == NULL:
+        upack = <real*>aligned_malloc(WINO_POINTS * lay.point_size * sizeof(real))
+        if upack == NULL or wino_pack_filters(w, rsw, OC, g.C, blocks, &lay, nt, upack) != 0:
+            aligned_free(upack)
+            free(blocks)
+            return -1
+    cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
+    cdef Py_ssize_t chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles)
+    cdef real* v = <real*>aligned_malloc(WINO_POINTS * chunk * ldv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(WINO_POINTS * chunk * ldm * sizeof(real))
+    if v == NULL or m == NULL:
+        aligned_free(v)
+        aligned_free(m)
+        if prepacked == NULL:
+            aligned_free(upack)
+        free(blocks)
+        return -1
+    cdef Py_ssize_t sv = chunk * ldv, sm = chunk * ldm
+    cdef Py_ssize_t ci, t0, tc, t, p
+    for ci in range(cdiv(tiles, chunk)):
+        t0 = ci * chunk
+        tc = min(chunk, tiles - t0)
+        for t in prange(tc, num_threads=nt, schedule="static"):
+            wino_input_tile(g, x, xs, t0 + t, tiles_h, tiles_w, v + t * ldv, sv)
+        for p in prange(WINO_POINTS, num_threads=nt, schedule="static"):
+            multiply_chunk(tc, blocks, lay.n_kb, OC, v + p * sv, ldv, 1,
+                           upack + p * lay.point_size, lay.nc_blk, 0, 1,
+                           m + p * sm, ldm, 0, NULL)
+        for t in prange(tc, num_threads=nt, schedule="static"):
+            wino_output_tile(g, m + t * ldm, sm, OC, bias, act, t0 + t, tiles_h, tiles_w,
+                             y, rsy)
+    aligned_free(v)
+    aligned_free(m)
+    if prepacked == NULL:
+        aligned_free(upack)
+    free(blocks)
+    return 0
+
+
+def pack_winograd_weights(const real[:, ::1] w, int num_threads):
+    """w (OC, 3*3*C) as Winograd-domain filters packed for this ISA build,
+    to pass back as conv2d_winograd(..., packed=)."""
+    cdef Py_ssize_t OC = w.shape[0], C = w.shape[1] // 9
+    if C * 9 != w.shape[1] or C == 0 or OC == 0:
+        raise ValueError(f"w must be (OC, 3*3*C) with OC, C >= 1; got {tuple(w.shape)[:2]}")
+    cdef WinoLayout lay
+    cdef KBlock* blocks = wino_layout(<real>0, C, OC, &lay)
+    if blocks == NULL:
+        raise MemoryError()
+    packed = np.empty(WINO_POINTS * lay.point_size, np.float32 if real is float else np.float64)
+    cdef real[::1] dst = packed
+    cdef int status
+    with nogil:
+        status = wino_pack_filters(&w[0, 0], w.strides[0] // sizeof(real), OC, C, blocks, &lay,
+                                   num_threads, &dst[0])
+    free(blocks)
+    if status != 0:
+        raise MemoryError(f"conv2d: could not allocate {WINO_POINTS * OC * C * sizeof(real)} "
+                          f"bytes for the Winograd filter transform")
+    return PackedWeights(packed, ISA, (OC, 9 * C), (3, 3), "winograd")
+
+
+def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
+                    pad_before, out_hw, int num_threads, int activation=ACT_NONE,
+                    packed=None):
+    """y = act(conv3x3(x, w) (+ bias)) by Winograd F(4x4, 3x3), stride 1,
+    dilation 1: x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC); packed None or
+    pack_winograd_weights(w)."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
+    check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
+    if w.shape[1] != 9 * x.shape[3]:
+        raise ValueError(f"w must be (OC, 3*3*{x.shape[3]}); got {tuple(w.shape)[:2]}")
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                (3, 3), (1, 1), (1, 1), pad_before, out_hw)
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef const real* bias_ptr = NULL
+    cdef const real[::1] bias_view
+    if bias is not None:
+        bias_view = bias
+        bias_ptr = &bias_view[0]
+    cdef const real* packed_ptr = checked_packed(packed, <real>0, "winograd",
+                                                 (w.shape[0], w.shape[1]), (3, 3))
+    cdef int status
+    with nogil:
+        status = winograd_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0],
+                                        w.strides[0] // item, w.shape[0], bias_ptr, activation,
+                                        &y[0, 0], y.strides[0] // item, packed_ptr, num_threads)
+    if status != 0:
+        raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")

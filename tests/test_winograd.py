@@ -1,0 +1,236 @@
+"""Winograd F(4x4, 3x3) (conv2d(..., algorithm="winograd")) against a float64
+PyTorch reference: its float32 error must stay within 10x that of the
+direct (implicit GEMM) method on the same inputs, its float64 result within
+rounding.  Also: every ISA build, chunking, partial and all-padding tiles,
+channel tails, groups, strided inputs, fused epilogues, thread invariance,
+NaN/inf, prepacked filters and the auto heuristic."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastconv
+import fastconv.conv
+from fastconv import conv2d
+from reference import explicit_pads
+
+#: The issue's bound: Winograd's float32 error at most this multiple of the
+#: direct method's (both against float64).
+ERROR_RATIO = 10.0
+
+
+def reference(x, w, b, pads, groups=1, activation=None):
+    """float64 torch conv of NHWC x, OHWI w, explicit ((t, b), (l, r)) pads."""
+    (top, bottom), (left, right) = pads
+    xt = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2))
+    xt = F.pad(xt, (left, right, top, bottom))
+    wt = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
+    bt = None if b is None else torch.from_numpy(b.astype(np.float64))
+    y = F.conv2d(xt, wt, bt, groups=groups).numpy().transpose(0, 2, 3, 1)
+    if activation is not None:
+        y = np.maximum(y, 0)
+    if activation == "relu6":
+        y = np.minimum(y, 6)
+    return y
+
+
+def max_error(y, ref):
+    return np.abs(y.astype(np.float64) - ref).max()
+
+
+def check_against_direct(x, w, b=None, padding=1, groups=1, activation=None, **kw):
+    """Run Winograd and implicit GEMM on the same call; Winograd's error vs
+    float64 within ERROR_RATIO x the direct one's (float32) or 1e-12
+    relative (float64)."""
+    pads = explicit_pads(padding, x.shape[1:3], (3, 3), (1, 1), (1, 1))
+    ref = reference(x, w, b, pads, groups, activation)
+    y = conv2d(x, w, b, padding=padding, groups=groups, activation=activation,
+               algorithm="winograd", **kw)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = max_error(y, ref)
+    if x.dtype == np.float64:
+        assert err <= 1e-12 * scale, f"float64 error {err:.3g} of {scale:.3g}"
+        return err / scale
+    direct = conv2d(x, w, b, padding=padding, groups=groups, activation=activation,
+                    algorithm="implicit", **kw)
+    # Floor: a direct sum can be exact on tiny cases (one channel, one tap).
+    bound = ERROR_RATIO * max(max_error(direct, ref), 1e-7 * scale)
+    assert err <= bound, f"winograd error {err:.3g} > {bound:.3g} (10x direct)"
+    return err / scale
+
+
+CASES = [
+    # (N, H, W, C, OC), padding, groups
+    ((1, 1, 1, 1, 1), 1, 1),                      # one pixel, one channel
+    ((2, 7, 9, 3, 5), 1, 1),                      # channel tails below a vector, partial tiles
+    ((1, 8, 8, 16, 16), 0, 1),                    # whole tiles, valid
+    ((3, 13, 11, 17, 33), ((2, 0), (1, 2)), 1),   # primes, asymmetric padding
+    ((1, 5, 23, 40, 7), "same", 1),
+    ((1, 2, 2, 4, 6), ((0, 5), (0, 5)), 1),       # tiles whose window is all padding
+    ((2, 9, 10, 24, 20), 1, 2),                   # groups: per-group column slices
+    ((1, 30, 30, 64, 48), 1, 1),
+    ((1, 6, 6, 300, 40), 1, 1),                   # C over one GEMM k-block (KC = 256)
+    ((1, 4, 4, 8, 300), 1, 1),                    # OC over one packed block (NC = 256)
+]
+
+
+@pytest.fixture(params=["default-chunks", "tiny-chunks"])
+def chunking(request):
+    """tiny-chunks: one micro-panel of tiles per chunk, so that small images
+    cross chunk boundaries."""
+    if request.param == "tiny-chunks":
+        kernels = fastconv._dispatch.kernels
+        previous = kernels.set_winograd_chunk_bytes(1)
+        request.addfinalizer(lambda: kernels.set_winograd_chunk_bytes(previous))
+    return request.param
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("shape, padding, groups", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_winograd_matches_reference(isa, shape, padding, groups, dtype):
+    N, H, W, C, OC = shape
+    rng = np.random.default_rng(H * W + C)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        for budget in (None, 1):
+            if budget is not None:
+                previous = kernels.set_winograd_chunk_bytes(budget)
+            try:
+                check_against_direct(x, w, b, padding, groups)
+            finally:
+                if budget is not None:
+                    kernels.set_winograd_chunk_bytes(previous)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "relu6"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_winograd_epilogue(activation, dtype, chunking):
+    rng = np.random.default_rng(3)
+    x = (4 * rng.standard_normal((2, 11, 10, 19))).astype(dtype)   # past 6 for relu6
+    w = rng.standard_normal((21, 3, 3, 19)).astype(dtype)
+    b = rng.standard_normal(21).astype(dtype)
+    check_against_direct(x, w, b, activation=activation)
+    check_against_direct(x, w, None, activation=activation)
+
+
+@pytest.mark.parametrize("view", ["pixel-stride", "reversed-rows", "reversed-columns", "nchw"])
+def test_winograd_reads_strided_inputs(view):
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((2, 18, 22, 16)).astype(np.float32)
+    w = rng.standard_normal((12, 3, 3, 16)).astype(np.float32)
+    if view == "nchw":
+        x_nchw = np.ascontiguousarray(base.transpose(0, 3, 1, 2))
+        y = conv2d(x_nchw, w.transpose(0, 3, 1, 2), padding=1, layout="NCHW",
+                   algorithm="winograd")
+        ref = reference(base, w, None, ((1, 1), (1, 1)))
+        assert max_error(y.transpose(0, 2, 3, 1), ref) <= 1e-5 * np.abs(ref).max()
+        return
+    x = {"pixel-stride": base[:, ::2, ::2], "reversed-rows": base[:, ::-1],
+         "reversed-columns": base[:, :, ::-1]}[view]
+    check_against_direct(x, w)
+
+
+def test_winograd_error_is_documented_size():
+    """The benchmarks/README.md figure: a ResNet 3x3 256->256 layer, inputs
+    and weights N(0, 1), Winograd float32 error vs float64 a few times the
+    direct method's (measured 4-10x in max norm, under 5x RMS)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 14, 14, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 3, 3, 256)).astype(np.float32)
+    rel = check_against_direct(x, w)
+    assert rel < 1e-5
+
+
+def test_winograd_is_independent_of_the_thread_count(request):
+    """Tiles and the 36 GEMMs are each computed whole by one thread, so the
+    result does not depend on how many there are, bit for bit."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 29, 31, 24)).astype(np.float32)
+    w = rng.standard_normal((40, 3, 3, 24)).astype(np.float32)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    results = []
+    for nt in (1, 2, 3, 2):
+        fastconv.set_num_threads(nt)
+        results.append(conv2d(x, w, padding=1, algorithm="winograd"))
+    for y in results[1:]:
+        np.testing.assert_array_equal(y, results[0])
+
+
+def test_winograd_nan_and_inf_stay_in_their_tiles():
+    """A NaN or inf in the input spreads over the 4x4 output tiles whose
+    6x6 windows contain it (the transforms mix a window), never beyond;
+    every output PyTorch makes non-finite is non-finite here too."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 16, 16, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 3, 8)).astype(np.float32)
+    x[0, 2, 3, 1] = np.nan
+    x[0, 13, 12, 4] = np.inf
+    y = conv2d(x, w, padding=1, algorithm="winograd")
+    ref = reference(x, w, None, ((1, 1), (1, 1)))
+    assert np.all(~np.isfinite(y[~np.isfinite(ref)]))
+    # Tiles of output rows/columns 4t..4t+3 read input rows 4t-1..4t+4.
+    touched = np.zeros((16, 16), bool)
+    for ih, iw in ((2, 3), (13, 12)):
+        for th in range(4):
+            for tw in range(4):
+                if 4 * th - 1 <= ih <= 4 * th + 4 and 4 * tw - 1 <= iw <= 4 * tw + 4:
+                    touched[4 * th:4 * th + 4, 4 * tw:4 * tw + 4] = True
+    clean = y[0][~touched]
+    assert np.all(np.isfinite(clean))
+    np.testing.assert_allclose(clean, ref[0][~touched], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+def test_packed_winograd_filters(isa):
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 7, 7, 32)).astype(np.float32)
+    w = rng.standard_normal((24, 3, 3, 32)).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        layer = fastconv.PackedConv2d(w, b, padding=1, activation="relu")
+        expected = conv2d(x, w, b, padding=1, activation="relu", algorithm="winograd")
+        for _ in range(2):
+            np.testing.assert_array_equal(layer(x), expected)
+        assert any(key[1] == "winograd" for key in layer._packs)
+        # Filters packed for one algorithm are refused by the other.
+        w2d = np.ascontiguousarray(w.reshape(24, -1))
+        y = np.empty((49, 24), np.float32)
+        implicit = kernels.pack_conv_weights(w2d, (3, 3), 1)
+        with pytest.raises(ValueError, match="packed weights are implicit"):
+            kernels.conv2d_winograd(x, w2d, None, y, (1, 1), (7, 7), 1, 0, implicit)
+        winograd = kernels.pack_winograd_weights(w2d, 1)
+        with pytest.raises(ValueError, match="packed weights are winograd"):
+            kernels.conv2d_forward(x, w2d, None, y, (3, 3), (1, 1), (1, 1), (1, 1), (7, 7), 1,
+                                   0, winograd)
+
+
+@pytest.mark.parametrize("N, H, C, OC, stride, prepacked, expected", [
+    (1, 56, 64, 64, 1, False, "winograd"),      # ResNet stage 1
+    (8, 14, 256, 256, 1, False, "winograd"),
+    (1, 7, 512, 512, 1, False, "implicit"),     # 4 tiles cannot pay for 9.4 M filter values
+    (1, 7, 512, 512, 1, True, "winograd"),      # ...unless they are transformed once
+    (1, 224, 3, 64, 1, False, "implicit"),      # 3 channels: GEMMs too shallow
+    (1, 56, 64, 64, 2, False, "implicit"),      # strided
+])
+def test_auto_takes_winograd_where_it_pays(N, H, C, OC, stride, prepacked, expected):
+    geo = fastconv.conv._Geometry((3, 3), (stride, stride), (1, 1), (1, 1),
+                                  (-(-H // stride),) * 2)
+    got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked)
+    assert got == expected
+
+
+@pytest.mark.parametrize("kernel, kwargs, message", [
+    (3, dict(stride=2), "stride 1"),
+    (3, dict(dilation=2), "dilation 1"),
+    (5, {}, "3x3"),
+])
+def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
+    x = np.ones((1, 9, 9, 4), np.float32)
+    w = np.ones((4, kernel, kernel, 4), np.float32)
+    with pytest.raises(ValueError, match=message):
+        conv2d(x, w, algorithm="winograd", **kwargs)
