@@ -259,6 +259,11 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     """Gradient (in_shape, NHWC) of _forward's input for output gradient dy."""
     C = in_shape[3]
     OC = w2d.shape[0]
+    if 0 not in in_shape and dy.size and _is_winograd(geo):
+        flipped = _flipped_geometry(geo, in_shape[1:3])
+        if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False):
+            return _forward(_channels_last(dy), _flipped_weight_matrix(w2d, groups, geo.kernel),
+                            groups, flipped, algorithm="winograd")
     dx = np.zeros(in_shape, dy.dtype)
     if dx.size == 0 or dy.size == 0:
         return dx
@@ -276,6 +281,26 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         else:
             kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt)
     return dx
+
+
+def _flipped_geometry(geo, in_hw):
+    """For stride 1 and dilation 1, the data gradient is itself a
+    convolution: dx[i] = sum_k dy[i + pad - k] w[k] = sum_j dy[i - (K-1-pad)
+    + j] w[K-1-j], i.e. dy convolved with the flipped kernel (input and
+    output channels swapped) under padding K-1-pad before, giving the input
+    size.  This is that convolution's geometry."""
+    (KH, KW), (PT, PL) = geo.kernel, geo.pad_before
+    return _Geometry(geo.kernel, (1, 1), (1, 1), (KH - 1 - PT, KW - 1 - PL), tuple(in_hw))
+
+
+def _flipped_weight_matrix(w2d, groups, kernel):
+    """(OC, KH*KW*Cg) forward weights -> (C, KH*KW*OCg) weights of the
+    flipped convolution of _flipped_geometry, group by group."""
+    OC, K = w2d.shape
+    KH, KW = kernel
+    Cg, OCg = K // (KH * KW), OC // groups
+    w = w2d.reshape(groups, OCg, KH, KW, Cg)[:, :, ::-1, ::-1, :]
+    return np.ascontiguousarray(w.transpose(0, 4, 2, 3, 1)).reshape(groups * Cg, KH * KW * OCg)
 
 
 def _weight_grad(dy, x, groups, geo):

@@ -234,3 +234,44 @@ def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
     w = np.ones((4, kernel, kernel, 4), np.float32)
     with pytest.raises(ValueError, match=message):
         conv2d(x, w, algorithm="winograd", **kwargs)
+
+
+@pytest.mark.parametrize("shape, padding, groups", [
+    ((2, 14, 14, 32, 16), 1, 1),
+    ((1, 19, 23, 16, 24), ((2, 0), (1, 2)), 1),
+    ((2, 16, 16, 32, 32), 1, 2),
+    ((1, 30, 30, 16, 16), 3, 1),            # flipped padding below zero
+    ((1, 28, 28, 16, 16), 0, 1),
+], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_data_gradient_by_winograd(shape, padding, groups, dtype, monkeypatch):
+    """For 3x3 stride-1 layers the input gradient is the convolution of
+    grad_output with the flipped kernel, which auto runs by Winograd when
+    it pays: against float64 torch, within 10x the direct path's error."""
+    N, H, W, C, OC = shape
+    rng = np.random.default_rng(H + C)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
+    pads = explicit_pads(padding, (H, W), (3, 3), (1, 1), (1, 1))
+    (top, bottom), (left, right) = pads
+    dy = rng.standard_normal((N, H + top + bottom - 2, W + left + right - 2, OC)).astype(dtype)
+    tx = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2)).requires_grad_()
+    tw = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
+    F.conv2d(F.pad(tx, (left, right, top, bottom)), tw, groups=groups).backward(
+        torch.from_numpy(dy.astype(np.float64).transpose(0, 3, 1, 2)))
+    ref = tx.grad.numpy().transpose(0, 2, 3, 1)
+    flipped = fastconv.conv._flipped_geometry(
+        fastconv.conv._Geometry((3, 3), (1, 1), (1, 1), (top, left),
+                                (H + top + bottom - 2, W + left + right - 2)), (H, W))
+    assert fastconv.conv._winograd_pays(N, flipped, OC // groups, C // groups, False)
+    gx = fastconv.conv2d_backward(dy, x, w, padding=padding, groups=groups,
+                                  output_mask=(True, False, False))[0]
+    scale = np.abs(ref).max()
+    if dtype == np.float64:
+        assert max_error(gx, ref) <= 1e-12 * scale
+        return
+    monkeypatch.setattr(fastconv.conv, "_winograd_pays", lambda *args: False)
+    direct = fastconv.conv2d_backward(dy, x, w, padding=padding, groups=groups,
+                                      output_mask=(True, False, False))[0]
+    assert max_error(gx, ref) <= ERROR_RATIO * max(max_error(direct, ref), 1e-7 * scale)
+    assert max_error(gx, ref) > 0 and not np.array_equal(gx, direct)   # two paths ran
