@@ -216,6 +216,12 @@ class Module:
         may fold.  Only the module's own forward knows its data flow."""
         return ()
 
+    def _conv_relu_pairs(self):
+        """(conv name, ReLU name) pairs of children where forward feeds the
+        conv's output straight into the ReLU (through Identity at most):
+        what prepack may fuse into one kernel call."""
+        return ()
+
     # --------------------------------------------------------- modes etc.
 
     def train(self, mode=True):
@@ -450,13 +456,20 @@ class Linear(Module):
 # -------------------------------------------------------- simple layers
 
 class ReLU(Module):
+    #: Set by prepack() when the conv before applies this ReLU in its
+    #: kernel's epilogue; then, in eval mode, forward passes x through.
+    _fused = False
+
     def forward(self, x):
-        y = np.maximum(x, 0)
+        y = x if self._fused and not self.training else np.maximum(x, 0)
         self._save_for_backward(y=y)  # y > 0 where the input was
         return y
 
     def backward(self, grad_output):
         return grad_output * (self._saved_for_backward()["y"] > 0)
+
+    def _drop_packed_weights(self):
+        self._fused = False
 
 
 class Identity(Module):
@@ -802,6 +815,13 @@ class Sequential(Module):
                 for (conv_name, conv), (bn_name, bn) in zip(children, children[1:])
                 if isinstance(conv, Conv2d) and isinstance(bn, BatchNorm2d)]
 
+    def _conv_relu_pairs(self):
+        children = [(name, layer) for name, layer in self.named_children()
+                    if not isinstance(layer, Identity)]
+        return [(conv_name, relu_name)
+                for (conv_name, conv), (relu_name, relu) in zip(children, children[1:])
+                if isinstance(conv, Conv2d) and isinstance(relu, ReLU)]
+
 
 class BasicBlock(Module):
     """ResNet-18/34's residual block (He et al. 2016), PyTorch's names:
@@ -849,6 +869,10 @@ class BasicBlock(Module):
 
     def _conv_bn_pairs(self):
         return [("conv1", "bn1"), ("conv2", "bn2")]
+
+    def _conv_relu_pairs(self):
+        # relu1(bn1(conv1(x))): straight through once bn1 is folded away.
+        return [("conv1", "relu1")] if isinstance(self.bn1, Identity) else []
 
 
 # ------------------------------------------------------------------- loss
@@ -946,16 +970,26 @@ def fold_batchnorm(conv, bn):
 
 
 def prepack(model):
-    """Pack the weights of every Conv2d in model once for fastconv's GEMM
-    kernels (fastconv.PackedConv2d), for inference: in eval mode each call
-    then skips repacking them, which for a deep layer at batch 1 costs about
-    as much as the convolution.  The packs are dropped by train() and
-    load_state_dict(); after changing weights any other way (an optimizer
-    step in eval mode), call prepack again.  Returns model."""
+    """Pack the weights of every Conv2d in model once for fastconv's
+    kernels (fastconv.PackedConv2d: GEMM panels, or Winograd-domain filters
+    for 3x3 stride-1 layers), for inference: in eval mode each call then
+    skips repacking them, which for a deep layer at batch 1 costs about as
+    much as the convolution.  A ReLU that directly follows a conv (after
+    fold_batchnorms, also conv -> batchnorm -> ReLU) is fused into the
+    conv's kernel epilogue, applied while each output tile is in cache.
+    The packs and fusions are dropped by train() and load_state_dict();
+    after changing weights any other way (an optimizer step in eval mode),
+    call prepack again.  Returns model."""
+    fused = set()
+    for _, module in model.named_modules():
+        for conv_name, relu_name in module._conv_relu_pairs():
+            fused.add(id(getattr(module, conv_name)))
+            getattr(module, relu_name)._fused = True
     for _, module in model.named_modules():
         if isinstance(module, Conv2d):
             bias = None if module.bias is None else module.bias.data
-            module._packed = PackedConv2d(module.weight.data, bias, **module._geometry())
+            module._packed = PackedConv2d(module.weight.data, bias, **module._geometry(),
+                                          activation="relu" if id(module) in fused else None)
     return model
 
 
@@ -964,7 +998,8 @@ def fold_batchnorms(model):
     Sequential children, BasicBlock's conv/bn pairs) into the conv, in
     place; the batchnorms become Identity.  For inference: the result
     computes what model computes in eval mode, one pass over memory
-    cheaper per convolution.  Returns model."""
+    cheaper per convolution.  Drops what prepack() did (call it after).
+    Returns model."""
     for _, module in list(model.named_modules()):
         for conv_name, bn_name in module._conv_bn_pairs():
             conv, bn = getattr(module, conv_name), getattr(module, bn_name)
@@ -972,6 +1007,8 @@ def fold_batchnorms(model):
                     and bn.running_mean is not None):
                 setattr(module, conv_name, fold_batchnorm(conv, bn))
                 setattr(module, bn_name, Identity())
+    for _, module in model.named_modules():
+        module._drop_packed_weights()     # a ReLU fused into a replaced conv
     return model
 
 

@@ -508,3 +508,35 @@ def test_prepack_matches_and_is_dropped_when_weights_may_change():
     nn.prepack(model)
     model.train()
     assert model[0]._packed is None and model[2]._packed is None
+
+
+def test_prepack_fuses_conv_relu_and_undoes_it_safely():
+    """prepack fuses a ReLU fed straight by a conv (through a folded
+    batchnorm) into the conv's epilogue; train(), load_state_dict and
+    fold_batchnorms undo it, so no ReLU is ever skipped for a conv that
+    does not apply it."""
+    rng = np.random.default_rng(6)
+    block = nn.BasicBlock(16, 16, rng=3)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, rng=4), nn.BatchNorm2d(16), nn.ReLU(),
+                          block)
+    for bn in (model[1], block.bn1, block.bn2):
+        bn.running_mean[...] = rng.standard_normal(16)
+        bn.running_var[...] = rng.random(16) + 0.5
+    x = rng.standard_normal((2, 12, 12, 3)).astype(np.float32)
+    model.eval()
+    expected = model(x)
+    nn.prepack(model)                                  # BN not folded: nothing to fuse
+    assert not model[2]._fused and not block.relu1._fused
+    nn.fold_batchnorms(model)
+    assert model[0]._packed is None                   # folding drops the packs
+    nn.prepack(model)
+    assert model[2]._fused and block.relu1._fused and not block.relu2._fused
+    assert model[0]._packed.activation == "relu" and block.conv1._packed.activation == "relu"
+    assert block.conv2._packed.activation is None
+    np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
+    nn.fold_batchnorms(model)                          # nothing left to fold; still drops
+    assert not model[2]._fused and model[0]._packed is None
+    np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
+    nn.prepack(model)
+    model.train()
+    assert not model[2]._fused and not block.relu1._fused
