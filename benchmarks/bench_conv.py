@@ -8,7 +8,7 @@ the 1x1 bottlenecks incl. the 1x1/2 downsample), VGG16 conv1_1/conv1_2 at
 Systems, side by side in one run:
 
 * fastconv   fastconv.conv2d on NHWC arrays (algorithm="auto"); per
-             algorithm ("implicit", "im2col", "gemm1x1", "direct") and
+             algorithm ("implicit", "im2col", "gemm1x1", "direct", "winograd") and
              fastconv.PackedConv2d (prepacked weights) in a table of their own
 * torch NCHW torch.nn.functional.conv2d on contiguous NCHW tensors
 * torch CL   the same on channels_last tensors (torch's fastest on CPU)
@@ -77,7 +77,7 @@ MEMORY_LAYERS = ("vgg16 conv1_2", "resnet conv1", "resnet 3x3 64->64 @56",
                  "resnet50 1x1 64->256", "mobilenetv2 dw 3x3 32")
 QUICK_MEMORY_LAYERS = ("resnet 3x3 64->64 @56",)
 #: fastconv's forward algorithms, and the subset "auto" chooses from.
-ALGORITHMS = ("implicit", "im2col", "gemm1x1", "direct")
+ALGORITHMS = ("implicit", "im2col", "gemm1x1", "direct", "winograd")
 FORWARD = ("fastconv", "torch NCHW", "torch CL", "numpy", "ORT")
 BACKWARD = ("fastconv", "torch NCHW", "torch CL")
 MEMORY_SYSTEMS = ("fastconv", "fastconv packed", "fastconv im2col", "torch NCHW", "torch CL",
@@ -103,13 +103,15 @@ LEGEND = ("GFLOPS: best (fastest call) / median; 2·N·OH·OW·OC·KH·KW·C/gro
           "few %, distrust it); ORT is timed in its own process right after the others.")
 
 
-def auto_algorithm(spec):
-    """What conv2d(algorithm="auto") runs for this layer (see fastconv.conv)."""
-    if spec.depthwise:
-        return "direct"
-    if spec.kernel == 1 and spec.stride == 1 and spec.padding == 0:
-        return "gemm1x1"
-    return "implicit"
+def auto_algorithm(spec, batch, packed=False):
+    """What conv2d(algorithm="auto") runs for this layer at this batch (or,
+    packed=True, what PackedConv2d's auto runs): fastconv.conv's own choice."""
+    x, w, _ = spec.arrays(1)
+    x = np.broadcast_to(x, (batch, *x.shape[1:]))
+    c = fastconv.conv._conv_setup(x, w, spec.stride, spec.padding, spec.dilation, spec.groups,
+                                  "zeros", "NHWC")
+    return fastconv.conv._choose_algorithm("auto", spec.groups, x.shape[3], w.shape[0], batch,
+                                           c.geo, x.shape[1:3], packed)
 
 
 def select_layers(text, layers=LAYERS):
@@ -431,7 +433,7 @@ def measure_cell(spec, batch, threads, settings, torch, ort, with_backward):
     kwargs = spec.conv_kwargs()
     fc_threads = lambda: h.fastconv_threads(threads)  # noqa: E731
     torch_ctx = lambda: torch_inference(threads)  # noqa: E731
-    auto = auto_algorithm(spec)
+    auto = auto_algorithm(spec, batch)
 
     # ---- forward calls
     calls = {"fastconv": (fc_threads, lambda: fastconv.conv2d(x, w, None, **kwargs))}
@@ -448,7 +450,8 @@ def measure_cell(spec, batch, threads, settings, torch, ort, with_backward):
             cell.applicable[algorithm] = False
             continue
         calls[f"fastconv {algorithm}"] = (fc_threads, call)
-    if auto == "implicit":   # elsewhere PackedConv2d runs what auto runs
+    if auto_algorithm(spec, batch, packed=True) in ("implicit", "winograd"):
+        # elsewhere PackedConv2d runs what auto runs, with nothing packed
         packed = fastconv.PackedConv2d(w, None, **kwargs)
         calls["fastconv packed"] = (fc_threads, lambda: packed(x))
     torch_tensors = {}
@@ -549,7 +552,7 @@ def algorithm_section(cells, batch):
     headers = ["layer", "thr", "auto"] + list(ALGORITHMS) + ["packed", "best/auto"]
     rows = []
     for c in cells:
-        auto = auto_algorithm(c.spec)
+        auto = auto_algorithm(c.spec, c.batch)
         row = [c.spec.name, c.threads, auto]
         medians = {}
         for algorithm in ALGORITHMS:
@@ -571,7 +574,8 @@ def algorithm_section(cells, batch):
              "algorithm='auto' runs (its column repeats the 'fastconv' column of the forward "
              "table); n/a: the "
              "algorithm does not apply.  packed: fastconv.PackedConv2d (weights packed once, "
-             "as nn.prepack does); where auto is not 'implicit' it runs the same code as auto.  "
+             "as nn.prepack does; its auto can take winograd where conv2d's does not); '= auto': "
+             "nothing to pack (gemm1x1, direct), the same code as auto.  "
              "best/auto: the fastest (median) over auto's."]
     return (f"fastconv forward algorithms, batch {batch}", headers, rows, notes)
 

@@ -1,6 +1,7 @@
 """show_config(): what this fastconv build is and what it runs on."""
 import os
 import platform
+import sys
 
 from . import _dispatch
 from ._kernels import _runtime
@@ -34,7 +35,19 @@ def config():
         "gemm_tile_float64": k.TILE_F64,
         "openmp": _openmp_runtime(),
         "num_threads": get_num_threads(),
+        "cached_workspace_bytes": k.cached_workspace_bytes(),
     }
+
+
+def release_workspace():
+    """Free the workspace blocks fastconv keeps between calls; returns the
+    bytes released.
+
+    The kernels keep freed workspace blocks of 128 KiB or more (at most 64
+    MiB in all, per kernel build) for the next call, which then does not
+    page-fault them in again; this hands that memory back to the system."""
+    builds = (sys.modules.get(f"fastconv._kernels.gemm_{isa}") for isa in _dispatch.ISA_ORDER)
+    return sum(k.release_workspace() for k in builds if k is not None)
 
 
 def show_config():
@@ -49,3 +62,5 @@ def show_config():
           f"float64 {c['gemm_tile_float64'][0]}x{c['gemm_tile_float64'][1]}")
     print(f"  OpenMP runtime : {c['openmp']}")
     print(f"  threads        : {c['num_threads']}")
+    print(f"  cached workspace: {c['cached_workspace_bytes'] / 2**20:.1f} MiB "
+          f"(fastconv.release_workspace() frees it)")

@@ -29,7 +29,7 @@ def _runnable(isa):
 AVAILABLE = tuple(isa for isa in ISA_ORDER if _runnable(isa))
 
 
-def _load(isa):
+def load(isa):
     if isa not in ISA_ORDER:
         raise ValueError(f"FASTCONV_ISA / isa must be one of {', '.join(ISA_ORDER)}; got {isa!r}")
     if not _built(isa):
@@ -41,7 +41,7 @@ def _load(isa):
     return importlib.import_module(f"fastconv._kernels.gemm_{isa}")
 
 
-kernels = _load(os.environ.get("FASTCONV_ISA", "").strip().lower() or AVAILABLE[0])
+kernels = load(os.environ.get("FASTCONV_ISA", "").strip().lower() or AVAILABLE[0])
 
 
 def current_isa():
@@ -57,7 +57,7 @@ def use_isa(isa):
     """
     global kernels
     previous = kernels
-    kernels = _load(isa)
+    kernels = load(isa)
     try:
         yield kernels
     finally:

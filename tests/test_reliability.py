@@ -314,12 +314,13 @@ def test_concurrent_python_threads_match_sequential_results():
 def _gil_cases():
     rng = np.random.default_rng(3)
     a = rng.standard_normal((2048, 2048)).astype(np.float32)
-    x = rng.standard_normal((8, 64, 64, 96)).astype(np.float32)
+    x = rng.standard_normal((16, 64, 64, 96)).astype(np.float32)
     w = rng.standard_normal((96, 3, 3, 96)).astype(np.float32)
-    dy = rng.standard_normal((8, 64, 64, 96)).astype(np.float32)
+    dy = rng.standard_normal((16, 64, 64, 96)).astype(np.float32)
     return {
         "sgemm": lambda: fastconv.sgemm(1.0, a, a),
-        "conv2d": lambda: fastconv.conv2d(x, w, padding=1),
+        "conv2d": lambda: fastconv.conv2d(x, w, padding=1),               # Winograd
+        "conv2d implicit": lambda: fastconv.conv2d(x, w, padding=1, algorithm="implicit"),
         "conv2d_backward": lambda: fastconv.conv2d_backward(dy, x, w, padding=1,
                                                             output_mask=(True, True, False)),
     }
@@ -371,7 +372,7 @@ def test_gil_probe_detects_a_call_holding_the_gil():
     assert busy_rate < 0.05 * idle_rate, (busy_rate, idle_rate, seconds)
 
 
-@pytest.mark.parametrize("name", ["sgemm", "conv2d", "conv2d_backward"])
+@pytest.mark.parametrize("name", ["sgemm", "conv2d", "conv2d implicit", "conv2d_backward"])
 def test_kernels_release_the_gil(name):
     """A Python thread counting in a loop keeps going while one long kernel
     call runs on 1 OpenMP thread (so the counter has a core of its own on a
@@ -887,3 +888,34 @@ def test_subnormal_inputs_are_not_much_slower(name):
         # opt-in; it is not implemented.
         pytest.xfail("known subnormal penalty of the non-FMA baseline build on x86-64: " + message)
     assert ts < 2.0 * tn, message
+
+
+# -------------------------------------------------------- workspace cache
+
+def test_workspace_cache_is_bounded_reused_and_released():
+    """Freed workspace blocks are kept for the next call (at most 64 MiB),
+    reused without changing any result, and handed back by
+    fastconv.release_workspace()."""
+    kernels = fastconv._dispatch.kernels
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 30, 30, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 3, 3, 64)).astype(np.float32)
+    big = rng.standard_normal((1, 7, 7, 512)).astype(np.float32)
+    wbig = rng.standard_normal((512, 3, 3, 512)).astype(np.float32)
+    fastconv.release_workspace()
+    assert kernels.cached_workspace_bytes() == 0
+    first = [fastconv.conv2d(x, w, padding=1, algorithm=a) for a in ("winograd", "implicit")]
+    cached = kernels.cached_workspace_bytes()
+    assert cached > 0
+    for _ in range(3):                       # reused blocks: same results, no growth
+        again = [fastconv.conv2d(x, w, padding=1, algorithm=a) for a in ("winograd", "implicit")]
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b)
+        assert kernels.cached_workspace_bytes() == cached
+    fastconv.conv2d(big, wbig, padding=1, algorithm="winograd")   # 38 MiB of filters
+    assert kernels.cached_workspace_bytes() <= 64 << 20
+    released = fastconv.release_workspace()
+    assert released > 0 and kernels.cached_workspace_bytes() == 0
+    assert fastconv._config.config()["cached_workspace_bytes"] == 0
+    np.testing.assert_array_equal(fastconv.conv2d(x, w, padding=1, algorithm="winograd"),
+                                  first[0])

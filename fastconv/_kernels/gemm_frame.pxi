@@ -20,7 +20,6 @@
 # is sized to half an L2).
 
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uintptr_t
 from cython.parallel cimport prange
 
 cdef extern from "micro_kernel.h":
@@ -64,7 +63,6 @@ cdef extern from *:
 # Below this many flops a parallel region costs more than it saves.
 cdef enum:
     MIN_FLOPS_PER_THREAD = 2000000
-    ALIGN = 64
     MAX_TILE = S_MR * S_NR + D_MR * D_NR
     # Fused epilogues (the codes the Python entry points take).
     ACT_NONE = 0
@@ -83,20 +81,31 @@ BLOCKING_F32 = {"KC": S_KC, "NC": S_NC}
 BLOCKING_F64 = {"KC": D_KC, "NC": D_NC}
 
 
+cdef extern from "workspace.h":
+    void* fc_ws_alloc(size_t nbytes) noexcept nogil
+    void fc_ws_free(void* p) noexcept nogil
+    size_t fc_ws_release_cache() noexcept nogil
+    size_t fc_ws_cached_bytes() noexcept nogil
+
+
 cdef inline void* aligned_malloc(size_t nbytes) noexcept nogil:
-    # malloc + manual alignment: posix_memalign/aligned_alloc are not on every
-    # platform's C runtime.  The original pointer is stored just below.
-    cdef void* raw = malloc(nbytes + ALIGN + sizeof(void*))
-    if raw == NULL:
-        return NULL
-    cdef uintptr_t p = (<uintptr_t>raw + sizeof(void*) + ALIGN - 1) & ~(<uintptr_t>(ALIGN - 1))
-    (<void**>p)[-1] = raw
-    return <void*>p
+    # 64-byte aligned; large blocks come from (and go back to) the cache of
+    # workspace.h, which spares each call re-faulting its workspace in.
+    return fc_ws_alloc(nbytes)
 
 
 cdef inline void aligned_free(void* p) noexcept nogil:
-    if p != NULL:
-        free((<void**>p)[-1])
+    fc_ws_free(p)
+
+
+def release_workspace():
+    """Free the cached workspace blocks of this build; returns the bytes
+    released."""
+    return fc_ws_release_cache()
+
+
+def cached_workspace_bytes():
+    return fc_ws_cached_bytes()
 
 
 cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
