@@ -158,19 +158,19 @@ def _is_winograd(geo):
 
 def _winograd_pays(N, geo, Cg, OCg, prepacked):
     """Whether Winograd beats implicit GEMM for this 3x3 stride-1 layer (per
-    group).  Measured on Zen 4 (benchmarks/README.md, "Winograd"): with
-    packed filters it ran 2-3.5x faster on every ResNet 3x3 layer, down to
-    one 7x7 image.  Two things cost it: the filter transform, 36 x C x OC
-    values written per call unless prepacked -- paid back only when there
-    are enough tiles to spread it over (tens per 64 KiB of transformed
-    filters) -- and thin channels, where the 36 GEMMs are too shallow or
-    narrow for the micro-kernel and the transforms dominate."""
-    if Cg < 8 or OCg < 8:
+    group).  Measured on Zen 4, 2 threads (benchmarks/README.md,
+    "Winograd"): with prepacked filters it ran 2-4x faster on every ResNet
+    3x3 layer, down to one 7x7 image.  Two things cost it: thin channels
+    (below 16 in or out the 36 GEMMs are too shallow or too narrow for the
+    micro-kernel and the transforms dominate: 0.5-0.8x at 8), and, unless
+    prepacked, the filter transform, 36 x C x OC values written per call,
+    which enough 4x4 output tiles must pay back: it lost at 4 tiles
+    (0.8-0.9x), won from 16 (1.1-1.5x) up to 256x256 channels, and from 32
+    at 512x512 (0.84x at 16, 1.1x at 32)."""
+    if Cg < 16 or OCg < 16:
         return False
     tiles = N * -(-geo.out_hw[0] // 4) * -(-geo.out_hw[1] // 4)
-    if prepacked:
-        return True
-    return tiles >= 12 + Cg * OCg // 4096
+    return prepacked or tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
 
 
 def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
@@ -550,7 +550,7 @@ class PackedConv2d:
     (FASTCONV_ISA / use_isa), for the groups that run the implicit or the
     Winograd algorithm (Winograd-domain filters, G g G^T, for the latter).
     With the filter transform paid once, "auto" takes Winograd for every
-    3x3 stride-1 layer with at least 8 input and output channels per group.
+    3x3 stride-1 layer with at least 16 input and output channels per group.
     """
 
     def __init__(self, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,

@@ -215,6 +215,9 @@ def test_packed_winograd_filters(isa):
     (1, 7, 512, 512, 1, False, "implicit"),     # 4 tiles cannot pay for 9.4 M filter values
     (1, 7, 512, 512, 1, True, "winograd"),      # ...unless they are transformed once
     (1, 224, 3, 64, 1, False, "implicit"),      # 3 channels: GEMMs too shallow
+    (1, 56, 8, 8, 1, True, "implicit"),         # 8 channels: even prepacked
+    (1, 14, 512, 512, 1, False, "implicit"),    # 16 tiles: not yet at 512x512
+    (2, 14, 512, 512, 1, False, "winograd"),    # 32 tiles
     (1, 56, 64, 64, 2, False, "implicit"),      # strided
 ])
 def test_auto_takes_winograd_where_it_pays(N, H, C, OC, stride, prepacked, expected):
