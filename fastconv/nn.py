@@ -54,7 +54,8 @@ import os
 
 import numpy as np
 
-from . import _args
+from . import _args, _dispatch
+from ._threads import get_num_threads
 from .conv import (PackedConv2d, conv2d, conv2d_backward, conv_transpose2d,
                    conv_transpose2d_backward)
 from .gemm import dgemm, sgemm
@@ -563,6 +564,21 @@ class MaxPool2d(_Pool2d):
     order, NaN propagates.  stride defaults to kernel_size."""
 
     def forward(self, x):
+        x = np.asarray(x)
+        if x.dtype not in (np.float32, np.float64):
+            return self._forward_numpy(x)
+        out_hw, _ = self._windows(x.shape[1:3])
+        best = np.empty((x.shape[0], *out_hw, x.shape[3]), x.dtype)
+        # Which tap won, for backward only (inference skips it).
+        winner = np.empty(best.shape, np.uint16) if _grad_enabled.get() else None
+        x = x if x.shape[3] <= 1 or x.strides[3] == x.itemsize else np.ascontiguousarray(x)
+        _dispatch.kernels.max_pool2d(x, best, winner, self.kernel_size, self.stride,
+                                     self.dilation, self.padding, get_num_threads())
+        self._save_for_backward(winner=winner, in_shape=x.shape)
+        return best
+
+    def _forward_numpy(self, x):
+        # Other dtypes: the max over KH*KW strided views of a padded copy.
         padded = _pad_hw(x, self.padding, -np.inf)
         _, windows = self._windows(x.shape[1:3])
         best = padded[next(windows)].copy()
@@ -651,6 +667,9 @@ class AdaptiveAvgPool2d(Module):
 
     def forward(self, x):
         self._save_for_backward(in_shape=x.shape)
+        if self.output_size == (1, 1):
+            # Global average pooling (every ResNet's head): one reduction.
+            return x.mean(axis=(1, 2), keepdims=True)
         rows, cols = self._matrices(x.shape[1:3], x.dtype)
         return np.einsum("ih,nhwc,jw->nijc", rows, x, cols, optimize=True)
 

@@ -246,6 +246,40 @@ def test_maxpool_ties_and_nan_follow_torch():
     np.testing.assert_array_equal(layer.backward(np.ones((1, 2, 2, 1))), nhwc(x_torch.grad))
 
 
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation", [
+    (3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 2), ((3, 2), (1, 2), (1, 0), 1), (1, 1, 0, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("view", ["contiguous", "strided", "reversed"])
+def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dilation, dtype,
+                                                    view):
+    """The compiled max pool (fastconv._kernels max_pool2d) against the
+    numpy formulation it replaced, bit for bit, values and winning taps:
+    ties (many equal values), NaN, -inf and inf, odd sizes, views."""
+    rng = np.random.default_rng(2)
+    base = rng.integers(-3, 3, (3, 11, 13, 21)).astype(dtype)   # many ties
+    base[0, 2, 3, 1] = np.nan
+    base[1, 4, 4, 2] = -np.inf
+    base[2, 5, 6, 3] = np.inf
+    base[1, 7, 2, :] = np.nan                        # a whole pixel of NaN
+    x = {"contiguous": base, "strided": base[:, ::2, 1::2, :17],
+         "reversed": base[:, ::-1, ::-1]}[view]
+    layer = nn.MaxPool2d(kernel, stride, padding, dilation)
+    expected = layer._forward_numpy(x)
+    winner_expected = layer._saved_for_backward()["winner"]
+    got = layer(x)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(layer._saved_for_backward()["winner"], winner_expected)
+    grad = rng.standard_normal(got.shape).astype(dtype)
+    np.testing.assert_array_equal(layer.backward(grad), layer._input_grad(
+        x.shape, (np.where(winner_expected == t, grad, 0) for t in range(
+            layer.kernel_size[0] * layer.kernel_size[1])), dtype))
+    with nn.no_grad():
+        np.testing.assert_array_equal(layer(x), expected)
+    assert layer(x[:0]).shape == (0, *expected.shape[1:])
+
+
+
 # ---------------------------------------------------------- batch norm
 
 def test_batchnorm_running_statistics_and_eval_match_torch():
