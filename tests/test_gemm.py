@@ -111,11 +111,13 @@ def layout(x, kind, fill=np.nan):
     if kind == "strided_T":                # row stride < column stride, neither 1
         v, base = with_gaps(x.T, fill)
         return v.T, base
+    # np.array copies: np.ascontiguousarray / asfortranarray would return x
+    # itself for a one-row or one-column x, and the view would alias it.
     if kind == "neg":                      # both strides negative
-        base = np.ascontiguousarray(x[::-1, ::-1])
+        base = np.array(x[::-1, ::-1], order="C")
         return base[::-1, ::-1], base
     if kind == "neg_rows_F":               # row stride -1, column stride +m
-        base = np.asfortranarray(x[::-1, :])
+        base = np.array(x[::-1, :], order="F")
         return base[::-1, :], base
     if kind == "neg_strided":
         v, base = with_gaps(x[::-1, ::-1], fill)
@@ -294,9 +296,10 @@ def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
 @pytest.mark.parametrize("b_layout", LAYOUTS)
 @pytest.mark.parametrize("a_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_operand_layouts(isa, dtype, a_layout, b_layout):
-    M, N, K = 29, 35, 270
-    rng = rng_for("layouts", isa, dtype_id(dtype), a_layout, b_layout)
+@pytest.mark.parametrize("M, N, K", [(29, 35, 270), (1, 35, 270), (29, 1, 270)],
+                         ids=["gemm", "row", "column"])   # one row/column: the GEMV path
+def test_operand_layouts(isa, dtype, a_layout, b_layout, M, N, K):
+    rng = rng_for("layouts", isa, dtype_id(dtype), a_layout, b_layout, M, N)
     a0, b0, c0 = randn(rng, (M, K), dtype), randn(rng, (K, N), dtype), randn(rng, (M, N), dtype)
     a, _ = layout(a0, a_layout)
     b, _ = layout(b0, b_layout)
@@ -312,12 +315,13 @@ def test_operand_layouts(isa, dtype, a_layout, b_layout):
 @pytest.mark.parametrize("beta", [0.0, 0.75])
 @pytest.mark.parametrize("c_layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_c_layouts_in_place(isa, dtype, c_layout, beta):
+@pytest.mark.parametrize("M, N, K", [(31, 70, 300), (1, 70, 300), (2500, 1, 300)],
+                         ids=["gemm", "row", "column"])
+def test_c_layouts_in_place(isa, dtype, c_layout, beta, M, N, K):
     """overwrite_c=True writes into any writeable view of c (transposed,
     sliced, negative strides) and nowhere else."""
-    M, N, K = 31, 70, 300
     sentinel = -777.0
-    rng = rng_for("clayout", isa, dtype_id(dtype), c_layout, beta)
+    rng = rng_for("clayout", isa, dtype_id(dtype), c_layout, beta, M, N)
     a, b, c0 = randn(rng, (M, K), dtype), randn(rng, (K, N), dtype), randn(rng, (M, N), dtype)
     c, base = layout(c0, c_layout, fill=sentinel)
     outside = base == sentinel            # the gaps of the strided layouts

@@ -42,6 +42,8 @@ cdef extern from "micro_kernel.h":
     void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
                             const double* a0, Py_ssize_t rsa, const double* b,
                             double* acc) noexcept nogil
+    float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
+    double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
 
 ctypedef fused real:
     float
@@ -283,6 +285,88 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                        NULL if bias == NULL else bias + jr, act)
 
 
+cdef inline void finish_gemv_value(real v, real* y, real alpha, real beta, const real* bias,
+                                   int act) noexcept nogil:
+    # y = act(alpha*v + beta*y (+ bias)), never reading y when beta == 0.
+    v = alpha * v
+    if beta != 0:
+        v = v + beta * y[0]
+    if bias != NULL:
+        v = v + bias[0]
+    if act != ACT_NONE and v < 0:
+        v = 0
+    elif act == ACT_RELU6 and v > 6:
+        v = 6
+    y[0] = v
+
+
+cdef int gemv_nogil(Py_ssize_t M, Py_ssize_t K, real alpha,
+                    const real* a, Py_ssize_t sai, Py_ssize_t sak,
+                    const real* x, Py_ssize_t sx, real beta, real* y, Py_ssize_t sy,
+                    const real* bias, Py_ssize_t sbias, int act, int max_threads) noexcept nogil:
+    # y[i] = act(alpha * sum_k a[i, k] x[k] + beta*y[i] (+ bias[i*sbias])):
+    # a product with one output row or column, memory-bound, which the
+    # packed-panel GEMM would run at 1/NR of its width after packing a
+    # whole operand.  Rows of a with unit k stride are dot products
+    # (fc_dot); a with unit i stride is swept column by column (axpy form,
+    # vectorised over i).  Each y[i] is summed by one thread in a fixed
+    # order: results do not depend on the thread count.  Returns -1 when
+    # out of memory.
+    cdef int nt = threads_for(2.0 * M * K, max_threads)
+    cdef bint dot_form = sak == 1 or sai != 1
+    cdef real* xc = <real*>x
+    cdef real* acc = NULL
+    if sx != 1:
+        xc = <real*>aligned_malloc(K * sizeof(real))
+    if not dot_form:
+        acc = <real*>aligned_malloc(M * sizeof(real))
+    if xc == NULL or (not dot_form and acc == NULL):
+        if sx != 1:
+            aligned_free(xc)
+        aligned_free(acc)
+        return -1
+    cdef Py_ssize_t i, k, t, i0, i1
+    cdef real v
+    cdef const real* row
+    if sx != 1:
+        for k in range(K):
+            xc[k] = x[k * sx]
+    if dot_form:
+        for i in prange(M, num_threads=nt, schedule="static"):
+            row = a + i * sai
+            if sak == 1:
+                if real is float:
+                    v = fc_dot_f32(row, xc, K)
+                else:
+                    v = fc_dot_f64(row, xc, K)
+            else:
+                v = 0
+                for k in range(K):
+                    v = v + row[k * sak] * xc[k]
+            finish_gemv_value(v, y + i * sy, alpha, beta,
+                              NULL if bias == NULL else bias + i * sbias, act)
+    else:
+        # Blocks of 1,024 rows keep each thread's acc slice in L1 while it
+        # sweeps the K columns.
+        for t in prange(cdiv(M, 1024), num_threads=nt, schedule="static"):
+            i0 = t * 1024
+            i1 = min(M, i0 + 1024)
+            for i in range(i0, i1):
+                acc[i] = 0
+            for k in range(K):
+                row = a + k * sak
+                v = xc[k]
+                for i in range(i0, i1):
+                    acc[i] += row[i] * v
+            for i in range(i0, i1):
+                finish_gemv_value(acc[i], y + i * sy, alpha, beta,
+                                  NULL if bias == NULL else bias + i * sbias, act)
+    if sx != 1:
+        aligned_free(xc)
+    aligned_free(acc)
+    return 0
+
+
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                     const real* b, Py_ssize_t rsb, Py_ssize_t csb,
@@ -291,6 +375,12 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     """C[M,N] = alpha*A[M,K]@B[K,N] + beta*C (+ bias[N] broadcast over rows,
     when not NULL).  Returns 0, or -1 when out of memory (C is then
     untouched).  Requires M, N, K >= 1."""
+    if N == 1:      # C's one column = A @ b[:, 0]; a bias over N is one value
+        return gemv_nogil(M, K, alpha, a, rsa, csa, b, rsb, beta, c, rsc, bias, 0, act,
+                          max_threads)
+    if M == 1:      # C's one row = B^T @ a[0, :]
+        return gemv_nogil(N, K, alpha, b, csb, rsb, a, csa, beta, c, csc, bias, 1, act,
+                          max_threads)
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef int nt = threads_for(2.0 * M * N * K, max_threads)

@@ -109,10 +109,41 @@
         fc_taps_kernel_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, acc);         \
     }
 
+/* sum_k a[k] * x[k] over n contiguous values: four vector accumulators
+ * (enough independent FMA chains to hide their latency), then the tail.
+ * For products with one output row or column (GEMV), which the
+ * packed-panel path would run at 1/NR of its width. */
+#define FC_DEFINE_DOT(SUFFIX, T)                                                \
+    static inline T fc_dot_##SUFFIX(const T *a, const T *x, ptrdiff_t n)        \
+    {                                                                           \
+        enum { VL = FC_VBYTES / sizeof(T) };                                    \
+        fc_vec_##SUFFIX acc[4], va, vx;                                         \
+        ptrdiff_t k = 0;                                                        \
+        T s = 0;                                                                \
+        FC_UNROLL for (int u = 0; u < 4; u++) acc[u] = (fc_vec_##SUFFIX){0};    \
+        for (; k + 4 * VL <= n; k += 4 * VL)                                    \
+            FC_UNROLL for (int u = 0; u < 4; u++) {                             \
+                memcpy(&va, a + k + u * VL, FC_VBYTES);                         \
+                memcpy(&vx, x + k + u * VL, FC_VBYTES);                         \
+                acc[u] += va * vx;                                              \
+            }                                                                   \
+        for (; k + VL <= n; k += VL) {                                          \
+            memcpy(&va, a + k, FC_VBYTES);                                      \
+            memcpy(&vx, x + k, FC_VBYTES);                                      \
+            acc[0] += va * vx;                                                  \
+        }                                                                       \
+        acc[0] = (acc[0] + acc[1]) + (acc[2] + acc[3]);                         \
+        FC_UNROLL for (int l = 0; l < VL; l++) s += acc[0][l];                  \
+        for (; k < n; k++) s += a[k] * x[k];                                    \
+        return s;                                                               \
+    }
+
 #if FC_S_MR > 16 || FC_D_MR > 16
 #error "micro-kernels exist for at most 16 rows"
 #endif
 FC_DEFINE_MICRO_KERNELS(f32, float, FC_S_NR)
 FC_DEFINE_MICRO_KERNELS(f64, double, FC_D_NR)
+FC_DEFINE_DOT(f32, float)
+FC_DEFINE_DOT(f64, double)
 
 #endif
