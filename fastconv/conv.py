@@ -15,7 +15,9 @@ layout of its own weight, so it reuses the same three products with the
 roles swapped.
 
 Grouped convolutions run one kernel call per group on strided views
-(channel slices of x, row blocks of w2d, column blocks of the output).
+(channel slices of x, row blocks of w2d, column blocks of the output), or,
+with at least as many groups as threads, one call that runs whole groups
+on separate threads.
 
 NCHW results are NCHW-shaped views of NHWC memory (PyTorch's channels_last):
 feeding one into the next NCHW call needs no copy.
@@ -139,6 +141,15 @@ def _tap_weights(w2d, kernel):
     return np.ascontiguousarray(w2d.T).reshape(*kernel, w2d.shape[0])
 
 
+def _groups_in_parallel(groups, nt):
+    """Whether the kernels should run whole groups on separate threads (one
+    parallel region for the layer) rather than the groups one after another,
+    each split across all threads: when there are at least as many groups
+    as threads (ResNeXt-style 32 groups of 4-8 channels: each group alone is
+    too little work to split)."""
+    return groups > 1 and groups >= nt
+
+
 def _group_slices(groups, C, OC):
     Cg, OCg = C // groups, OC // groups
     return [(slice(g * Cg, (g + 1) * Cg), slice(g * OCg, (g + 1) * OCg)) for g in range(groups)]
@@ -243,6 +254,11 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
                                   *geo[:4], nt, act)
         return y
     y_rows = _pixel_matrix(y)
+    if _groups_in_parallel(groups, nt) and algorithm in ("implicit", "winograd"):
+        kernels.conv2d_forward_groups(
+            x, w2d, bias, y_rows, groups, *geo, nt, act, algorithm == "winograd",
+            None if packed is None else [packed(kernels, g, algorithm) for g in range(groups)])
+        return y
     for g, (c, oc) in enumerate(_group_slices(groups, C, OC)):
         b = None if bias is None else bias[oc]
         if algorithm == "gemm1x1":
@@ -288,6 +304,9 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         return dx
     dy_rows = _unit_columns(_pixel_matrix(dy))
     pointwise = _is_pointwise(geo, in_shape[1:3])
+    if _groups_in_parallel(groups, nt) and not pointwise:
+        kernels.conv2d_grad_input_groups(dy_rows, w2d, dx, groups, *geo, nt)
+        return dx
     for c, oc in _group_slices(groups, C, OC):
         if pointwise:
             # col2im would be a plain copy: write the GEMM into dx.
@@ -332,6 +351,9 @@ def _weight_grad(dy, x, groups, geo):
         return np.ascontiguousarray(dw_taps.reshape(KH * KW, OC).T)
     dy_rows = _unit_columns(_pixel_matrix(dy))
     pointwise = _is_pointwise(geo, x.shape[1:3])
+    if _groups_in_parallel(groups, nt) and not pointwise:
+        kernels.conv2d_grad_weight_groups(x, dy_rows, dw, groups, *geo, nt)
+        return dw
     for c, oc in _group_slices(groups, C, OC):
         if pointwise:
             kernels.gemm(1.0, dy_rows[:, oc].T, _pixel_matrix(x[..., c]), 0.0, dw[oc], nt)

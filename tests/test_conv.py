@@ -887,3 +887,44 @@ def test_packed_weights_of_another_layer_are_refused():
     with pytest.raises(ValueError, match="packed"):
         kernels.conv2d_forward(x, w_big, None, y, (3, 3), (1, 1), (1, 1), (0, 0), (3, 3), 1,
                                0, packed)
+
+
+# ------------------------------------------------------ groups in parallel
+
+@pytest.mark.parametrize("groups, C, OC, kernel, kwargs", [
+    (2, 8, 6, 3, dict(padding=1)),
+    (3, 12, 9, 3, dict(stride=2, padding=1)),
+    (4, 64, 64, 3, dict(padding=1)),                    # 16 per group: Winograd
+    (32, 128, 128, 3, dict(padding=1)),                 # ResNeXt: 4 channels per group
+    (4, 16, 8, 1, dict(stride=2)),                      # strided 1x1
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_groups_in_parallel_match_torch_and_each_other(groups, C, OC, kernel, kwargs, dtype,
+                                                       request):
+    """With at least as many groups as threads, whole groups run on separate
+    threads (kernels.conv2d_*_groups); with fewer, one after another.  Both
+    against torch, and forward and grad_input bit for bit the same whatever
+    the thread count (each group's result does not depend on it)."""
+    rng = np.random.default_rng(groups * C)
+    x = rng.standard_normal((2, 15, 13, C)).astype(dtype)
+    w = rng.standard_normal((OC, kernel, kernel, C // groups)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    results = {}
+    for nt in (1, 2, 3, groups + 1):
+        fastconv.set_num_threads(nt)
+        y = conv2d(x, w, b, groups=groups, **kwargs)
+        dy = np.random.default_rng(1).standard_normal(y.shape).astype(dtype)
+        packed = fastconv.PackedConv2d(w, b, groups=groups, **kwargs)(x)
+        results[nt] = (y, packed) + conv2d_backward(dy, x, w, groups=groups, **kwargs)
+    ref_y, ref_gx, ref_gw, _ = torch_grads(x, w, b, dy, groups=groups, **kwargs)
+    depth = kernel * kernel * C // groups
+    for nt, (y, packed, gx, gw, gb) in results.items():
+        assert_close(y, ref_y, dtype, depth * 10, f"output, {nt} threads")   # maybe Winograd
+        assert_close(packed, ref_y, dtype, depth * 10, f"packed output, {nt} threads")
+        assert_close(gx, ref_gx, dtype, depth * 10, f"grad_input, {nt} threads")
+        assert_close(gw, ref_gw, dtype, y.shape[0] * y.shape[1] * y.shape[2], "grad_weight")
+        np.testing.assert_array_equal(y, results[1][0])
+        np.testing.assert_array_equal(packed, results[1][1])
+        np.testing.assert_array_equal(gx, results[1][2])

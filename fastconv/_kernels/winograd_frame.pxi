@@ -282,3 +282,4 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
                                         &y[0, 0], y.strides[0] // item, packed_ptr, num_threads)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")
+
