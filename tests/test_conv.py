@@ -737,6 +737,12 @@ def test_threads_give_identical_results(x_shape, kwargs, request):
     (1, 15, 15, 32, 1, 3, 2, 1, 0),
     (2, 6, 6, 8, 1, 1, 1, 1, 0),        # 1x1 depthwise
     (1, 5, 4, 3, 1, 3, 3, 1, 2),        # stride = kernel
+    # 3x3 multiplier 1: the register-blocked row kernel
+    (2, 13, 17, 37, 1, 3, 1, 1, 1),     # two channel vectors + a tail of 5 (float32)
+    (1, 11, 10, 40, 1, 3, 2, 2, 2),     # strided and dilated
+    (1, 4, 2, 16, 1, 3, 1, 1, 1),       # no interior pixel in a row
+    (1, 6, 7, 24, 1, 3, 1, 3, 0),       # dilation 3, valid
+    (1, 3, 3, 576, 1, 3, 1, 1, 1),      # MobileNetV2's widest
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):

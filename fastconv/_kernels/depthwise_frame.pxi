@@ -18,6 +18,14 @@ cdef extern from "depthwise_kernel.h":
                                const float* const* b, const float* bias, float* y) noexcept nogil
     void fc_depthwise_taps_f64(Py_ssize_t C, Py_ssize_t ntaps, const double* const* a,
                                const double* const* b, const double* bias, double* y) noexcept nogil
+    void fc_depthwise3x3_row_f32(const float* const* rows, Py_ssize_t xsw, Py_ssize_t W,
+                                 Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
+                                 Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const float* w,
+                                 const float* bias, float* y) noexcept nogil
+    void fc_depthwise3x3_row_f64(const double* const* rows, Py_ssize_t xsw, Py_ssize_t W,
+                                 Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
+                                 Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const double* w,
+                                 const double* bias, double* y) noexcept nogil
 
 cdef enum:
     # Taps per kernel the pointer lists hold on the stack; larger kernels (or
@@ -95,6 +103,28 @@ cdef void depthwise_forward_row(const ConvGeom* g, const real* x, ImageStrides x
         depthwise_taps(g.C, ntaps, xp, wp, bias, y + (row * g.OW + ow) * g.C)
 
 
+cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                                   const real* w, const real* bias, real* y,
+                                   Py_ssize_t row) noexcept nogil:
+    # Output row `row` (= n*OH + oh) of a 3x3 layer with multiplier 1, by
+    # the register-blocked row kernel.
+    cdef const real* rows[3]
+    cdef Py_ssize_t n = row // g.OH, oh = row % g.OH, kh, ih
+    cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
+    cdef RowRange last = valid_outputs(g.W, g.OW, 2 * g.DW - g.PL, g.SW)
+    for kh in range(3):
+        ih = oh * g.SH - g.PT + kh * g.DH
+        rows[kh] = x + n * xs.n + ih * xs.h if 0 <= ih < g.H else NULL
+    # Pixels whose first and last columns are both inside are interior.
+    cdef Py_ssize_t lo = max(first.lo, last.lo), hi = max(lo, min(first.hi, last.hi))
+    if real is float:
+        fc_depthwise3x3_row_f32(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
+                                y + row * g.OW * g.C)
+    else:
+        fc_depthwise3x3_row_f64(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
+                                y + row * g.OW * g.C)
+
+
 cdef void depthwise_grad_input_row(const ConvGeom* g, const real* dy, const real* w,
                                    real* dx, ImageStrides xs, Py_ssize_t row) noexcept nogil:
     # Input row `row` (= n*H + ih) with multiplier 1: per input pixel, the
@@ -129,6 +159,10 @@ cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
     cdef Py_ssize_t row, n, oh, ow, kh, kw, ih, c
     cdef RowRange cols
     cdef real* yrow
+    if mult == 1 and g.KH == 3 and g.KW == 3:
+        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+            depthwise3x3_forward_row(g, x, xs, w, bias, y, row)
+        return
     if mult == 1 and g.KH * g.KW <= MAX_DEPTHWISE_TAPS:
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
             depthwise_forward_row(g, x, xs, w, bias, y, row)

@@ -14,6 +14,12 @@
 #include <stddef.h>
 #include <string.h>
 
+#if defined(__clang__)
+#define FC_DW_UNROLL _Pragma("clang loop unroll(full)")
+#else
+#define FC_DW_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 #define FC_DEFINE_DEPTHWISE_TAPS(SUFFIX, T)                                      \
     typedef T fc_dwvec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));        \
     static inline void fc_depthwise_taps_##SUFFIX(                              \
@@ -57,7 +63,58 @@
         }                                                                       \
     }
 
+/* One output row of a 3x3 depthwise convolution, multiplier 1: channel
+ * vectors outer, pixels inner, so a vector's 9 weights stay in registers
+ * while the row's pixels stream past and every FMA loads only its input
+ * (the per-pixel kernel above reloads the weights for each pixel: 2 loads
+ * per FMA, and a list of tap pointers built per pixel).  rows[kh] is input
+ * row oh*SH - PT + kh*DH of the image (NULL when outside it); pixels
+ * ow in [lo, hi) have all three columns inside the image and skip the
+ * column checks.  y: the output row, pixels C apart. */
+#define FC_DW3_PIXEL(T, V, CHECK)                                               \
+    {                                                                           \
+        ptrdiff_t iw0 = ow * SW - PL;                                           \
+        V acc = bv, xv;                                                         \
+        FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                              \
+            if (rows[kh] == NULL) continue;                                     \
+            FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                          \
+                ptrdiff_t iw = iw0 + kw * DW;                                   \
+                if (CHECK && (iw < 0 || iw >= W)) continue;                     \
+                memcpy(&xv, rows[kh] + iw * xsw + c, sizeof(V));                \
+                acc += xv * wv[kh * 3 + kw];                                    \
+            }                                                                   \
+        }                                                                       \
+        memcpy(y + ow * C + c, &acc, sizeof(V));                                \
+    }
+
+#define FC_DW3_STEP(T, V)                                                       \
+    {                                                                           \
+        V wv[9], bv;                                                            \
+        FC_DW_UNROLL for (int t = 0; t < 9; t++)                                   \
+            memcpy(&wv[t], w + t * C + c, sizeof(V));                           \
+        if (bias) memcpy(&bv, bias + c, sizeof(V));                             \
+        else memset(&bv, 0, sizeof(V));                                         \
+        ptrdiff_t ow = 0;                                                       \
+        for (; ow < lo; ow++) FC_DW3_PIXEL(T, V, 1)                             \
+        for (; ow < hi; ow++) FC_DW3_PIXEL(T, V, 0)                             \
+        for (; ow < OW; ow++) FC_DW3_PIXEL(T, V, 1)                             \
+    }
+
+#define FC_DEFINE_DEPTHWISE_3X3(SUFFIX, T)                                      \
+    static inline void fc_depthwise3x3_row_##SUFFIX(                            \
+        const T *const rows[3], ptrdiff_t xsw, ptrdiff_t W, ptrdiff_t C,        \
+        ptrdiff_t OW, ptrdiff_t SW, ptrdiff_t DW, ptrdiff_t PL,                 \
+        ptrdiff_t lo, ptrdiff_t hi, const T *w, const T *bias, T *y)            \
+    {                                                                           \
+        enum { VL = FC_VBYTES / sizeof(T) };                                    \
+        ptrdiff_t c = 0;                                                        \
+        for (; c + VL <= C; c += VL) FC_DW3_STEP(T, fc_dwvec_##SUFFIX)          \
+        for (; c < C; c++) FC_DW3_STEP(T, T)                                    \
+    }
+
 FC_DEFINE_DEPTHWISE_TAPS(f32, float)
 FC_DEFINE_DEPTHWISE_TAPS(f64, double)
+FC_DEFINE_DEPTHWISE_3X3(f32, float)
+FC_DEFINE_DEPTHWISE_3X3(f64, double)
 
 #endif
