@@ -741,7 +741,7 @@ def test_threads_give_identical_results(x_shape, kwargs, request):
     (2, 13, 17, 37, 1, 3, 1, 1, 1),     # two channel vectors + a tail of 5 (float32)
     (1, 11, 10, 40, 1, 3, 2, 2, 2),     # strided and dilated
     (1, 4, 2, 16, 1, 3, 1, 1, 1),       # no interior pixel in a row
-    (1, 6, 7, 24, 1, 3, 1, 3, 0),       # dilation 3, valid
+    (1, 8, 7, 24, 1, 3, 1, 3, 0),       # dilation 3, valid
     (1, 3, 3, 576, 1, 3, 1, 1, 1),      # MobileNetV2's widest
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
