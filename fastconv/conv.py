@@ -299,8 +299,17 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         return dx
     kernels, nt = _dispatch.kernels, get_num_threads()
     if _is_depthwise(groups, C):
-        kernels.depthwise_grad_input(np.ascontiguousarray(dy), _tap_weights(w2d, geo.kernel),
-                                     dx, *geo[:4], nt)
+        taps = _tap_weights(w2d, geo.kernel)
+        (DH, DW), (PT, PL) = geo.dilation, geo.pad_before
+        if (geo.kernel == (3, 3) and geo.stride == (1, 1) and OC == C
+                and PT <= 2 * DH and PL <= 2 * DW):
+            # At stride 1 the input gradient is dy convolved with the flipped
+            # kernel (see _flipped_geometry): the forward's 3x3 row kernel.
+            kernels.depthwise_forward(_channels_last(dy), np.ascontiguousarray(taps[::-1, ::-1]),
+                                      None, dx, geo.kernel, (1, 1), geo.dilation,
+                                      (2 * DH - PT, 2 * DW - PL), nt)
+            return dx
+        kernels.depthwise_grad_input(np.ascontiguousarray(dy), taps, dx, *geo[:4], nt)
         return dx
     dy_rows = _unit_columns(_pixel_matrix(dy))
     pointwise = _is_pointwise(geo, in_shape[1:3])

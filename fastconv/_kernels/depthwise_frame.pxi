@@ -26,6 +26,16 @@ cdef extern from "depthwise_kernel.h":
                                  Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const double* w,
                                  const double* bias, double* y) noexcept nogil
+    void fc_depthwise3x3_grad_weight_row_f32(const float* const* rows, Py_ssize_t xsw,
+                                             Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
+                                             Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
+                                             Py_ssize_t lo, Py_ssize_t hi, const float* dy,
+                                             float* dw) noexcept nogil
+    void fc_depthwise3x3_grad_weight_row_f64(const double* const* rows, Py_ssize_t xsw,
+                                             Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
+                                             Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
+                                             Py_ssize_t lo, Py_ssize_t hi, const double* dy,
+                                             double* dw) noexcept nogil
 
 cdef enum:
     # Taps per kernel the pointer lists hold on the stack; larger kernels (or
@@ -103,20 +113,48 @@ cdef void depthwise_forward_row(const ConvGeom* g, const real* x, ImageStrides x
         depthwise_taps(g.C, ntaps, xp, wp, bias, y + (row * g.OW + ow) * g.C)
 
 
-cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
-                                   const real* w, const real* bias, real* y,
-                                   Py_ssize_t row) noexcept nogil:
-    # Output row `row` (= n*OH + oh) of a 3x3 layer with multiplier 1, by
-    # the register-blocked row kernel.
-    cdef const real* rows[3]
+cdef struct Row3x3:
+    # What the 3x3 row kernels take for output row (n, oh): its three input
+    # rows (NULL outside the image) and the interior pixels [lo, hi), whose
+    # first and last columns are both inside.
+    const void* rows[3]
+    Py_ssize_t lo, hi
+
+
+cdef inline Row3x3 row3x3(const ConvGeom* g, const real* x, ImageStrides xs,
+                          Py_ssize_t row) noexcept nogil:
+    cdef Row3x3 r
     cdef Py_ssize_t n = row // g.OH, oh = row % g.OH, kh, ih
     cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
     cdef RowRange last = valid_outputs(g.W, g.OW, 2 * g.DW - g.PL, g.SW)
     for kh in range(3):
         ih = oh * g.SH - g.PT + kh * g.DH
-        rows[kh] = x + n * xs.n + ih * xs.h if 0 <= ih < g.H else NULL
-    # Pixels whose first and last columns are both inside are interior.
-    cdef Py_ssize_t lo = max(first.lo, last.lo), hi = max(lo, min(first.hi, last.hi))
+        r.rows[kh] = <const void*>(x + n * xs.n + ih * xs.h) if 0 <= ih < g.H else NULL
+    r.lo = max(first.lo, last.lo)
+    r.hi = max(r.lo, min(first.hi, last.hi))
+    return r
+
+
+cdef void depthwise3x3_grad_weight_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                                       const real* dy, real* dw, Py_ssize_t row) noexcept nogil:
+    # dw (3, 3, C) += output row `row`'s contribution, multiplier 1.
+    cdef Row3x3 r = row3x3(g, x, xs, row)
+    if real is float:
+        fc_depthwise3x3_grad_weight_row_f32(<const float**>r.rows, xs.w, g.W, g.C, g.OW, g.SW,
+                                            g.DW, g.PL, r.lo, r.hi, dy + row * g.OW * g.C, dw)
+    else:
+        fc_depthwise3x3_grad_weight_row_f64(<const double**>r.rows, xs.w, g.W, g.C, g.OW, g.SW,
+                                            g.DW, g.PL, r.lo, r.hi, dy + row * g.OW * g.C, dw)
+
+
+cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                                   const real* w, const real* bias, real* y,
+                                   Py_ssize_t row) noexcept nogil:
+    # Output row `row` (= n*OH + oh) of a 3x3 layer with multiplier 1, by
+    # the register-blocked row kernel.
+    cdef Row3x3 r = row3x3(g, x, xs, row)
+    cdef const real** rows = <const real**>r.rows
+    cdef Py_ssize_t lo = r.lo, hi = r.hi
     if real is float:
         fc_depthwise3x3_row_f32(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
                                 y + row * g.OW * g.C)
@@ -234,7 +272,27 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
     if partials == NULL:
         return -1
     memset(partials, 0, nt * taps * sizeof(real))
-    cdef Py_ssize_t row, n, oh, kh, kw, ih, ow, iw, c, j, i, t
+    cdef Py_ssize_t row, i, t
+    if mult == 1 and g.KH == 3 and g.KW == 3:
+        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+            depthwise3x3_grad_weight_row(g, x, xs, dy, partials + threadid() * taps, row)
+    else:
+        depthwise_grad_weight_rows(g, mult, x, xs, dy, partials, nt)
+    for i in range(taps):
+        dw[i] = partials[i]
+    for t in range(1, nt):
+        for i in range(taps):
+            dw[i] += partials[t * taps + i]
+    aligned_free(partials)
+    return 0
+
+
+cdef void depthwise_grad_weight_rows(const ConvGeom* g, Py_ssize_t mult, const real* x,
+                                     ImageStrides xs, const real* dy, real* partials,
+                                     int nt) noexcept nogil:
+    # The generic loops: thread t adds into partials + t * (KH*KW*OC).
+    cdef Py_ssize_t OC = g.C * mult, taps = g.KH * g.KW * OC
+    cdef Py_ssize_t row, n, oh, kh, kw, ih, ow, iw, c, j
     cdef RowRange cols
     cdef const real* dyp
     cdef const real* xp
@@ -259,13 +317,6 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
                             for c in range(g.C):
                                 for j in range(mult):
                                     acc[c * mult + j] += dyp[c * mult + j] * xp[c]
-    for i in range(taps):
-        dw[i] = partials[i]
-    for t in range(1, nt):
-        for i in range(taps):
-            dw[i] += partials[t * taps + i]
-    aligned_free(partials)
-    return 0
 
 
 def depthwise_forward(const real[:, :, :, :] x, const real[:, :, ::1] w, bias,

@@ -100,6 +100,42 @@
         for (; ow < OW; ow++) FC_DW3_PIXEL(T, V, 1)                             \
     }
 
+/* The weight gradient of one output row of the same layer: for each
+ * channel vector, the 9 taps' sums over the row's pixels stay in registers
+ * (acc[t] += x under tap t * dy), added into the thread's partial dw
+ * (taps (3, 3, C)) once per row instead of per pixel.  dy: the row's output
+ * gradients, pixels C apart. */
+#define FC_DW3_GRADW_PIXEL(T, V, CHECK)                                         \
+    {                                                                           \
+        ptrdiff_t iw0 = ow * SW - PL;                                           \
+        V dv, xv;                                                               \
+        memcpy(&dv, dy + ow * C + c, sizeof(V));                                \
+        FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                           \
+            if (rows[kh] == NULL) continue;                                     \
+            FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                       \
+                ptrdiff_t iw = iw0 + kw * DW;                                   \
+                if (CHECK && (iw < 0 || iw >= W)) continue;                     \
+                memcpy(&xv, rows[kh] + iw * xsw + c, sizeof(V));                \
+                acc[kh * 3 + kw] += xv * dv;                                    \
+            }                                                                   \
+        }                                                                       \
+    }
+
+#define FC_DW3_GRADW_STEP(T, V)                                                 \
+    {                                                                           \
+        V acc[9], sum;                                                          \
+        FC_DW_UNROLL for (int t = 0; t < 9; t++) memset(&acc[t], 0, sizeof(V)); \
+        ptrdiff_t ow = 0;                                                       \
+        for (; ow < lo; ow++) FC_DW3_GRADW_PIXEL(T, V, 1)                       \
+        for (; ow < hi; ow++) FC_DW3_GRADW_PIXEL(T, V, 0)                       \
+        for (; ow < OW; ow++) FC_DW3_GRADW_PIXEL(T, V, 1)                       \
+        FC_DW_UNROLL for (int t = 0; t < 9; t++) {                              \
+            memcpy(&sum, dw + t * C + c, sizeof(V));                            \
+            sum += acc[t];                                                      \
+            memcpy(dw + t * C + c, &sum, sizeof(V));                            \
+        }                                                                       \
+    }
+
 #define FC_DEFINE_DEPTHWISE_3X3(SUFFIX, T)                                      \
     static inline void fc_depthwise3x3_row_##SUFFIX(                            \
         const T *const rows[3], ptrdiff_t xsw, ptrdiff_t W, ptrdiff_t C,        \
@@ -110,6 +146,17 @@
         ptrdiff_t c = 0;                                                        \
         for (; c + VL <= C; c += VL) FC_DW3_STEP(T, fc_dwvec_##SUFFIX)          \
         for (; c < C; c++) FC_DW3_STEP(T, T)                                    \
+    }                                                                           \
+                                                                                \
+    static inline void fc_depthwise3x3_grad_weight_row_##SUFFIX(                \
+        const T *const rows[3], ptrdiff_t xsw, ptrdiff_t W, ptrdiff_t C,        \
+        ptrdiff_t OW, ptrdiff_t SW, ptrdiff_t DW, ptrdiff_t PL,                 \
+        ptrdiff_t lo, ptrdiff_t hi, const T *dy, T *dw)                         \
+    {                                                                           \
+        enum { VL = FC_VBYTES / sizeof(T) };                                    \
+        ptrdiff_t c = 0;                                                        \
+        for (; c + VL <= C; c += VL) FC_DW3_GRADW_STEP(T, fc_dwvec_##SUFFIX)    \
+        for (; c < C; c++) FC_DW3_GRADW_STEP(T, T)                              \
     }
 
 FC_DEFINE_DEPTHWISE_TAPS(f32, float)
