@@ -68,6 +68,7 @@ LAYERS = (
     ConvSpec("mobilenetv2 dw 3x3 32 @112", 112, 32, 32, 3, 1, 1, groups=32),
     ConvSpec("mobilenetv2 dw 3x3 576 @14", 14, 576, 576, 3, 1, 1, groups=576),
     ConvSpec("dilated 3x3 d2 128->128 @28", 28, 128, 128, 3, 1, 2, dilation=2),
+    ConvSpec("resnext 3x3 g32 128->128 @28", 28, 128, 128, 3, 1, 1, groups=32),
 )
 #: --quick: one of each kind (3x3, strided, 1x1, 1x1/2, depthwise, dilated).
 QUICK_LAYERS = ("resnet 3x3 64->64 @56", "resnet18 3x3/2", "resnet50 1x1 256->64",
