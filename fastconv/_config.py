@@ -43,7 +43,7 @@ def release_workspace():
     """Free the workspace blocks fastconv keeps between calls; returns the
     bytes released.
 
-    The kernels keep freed workspace blocks of 128 KiB or more (at most 64
+    The kernels keep freed workspace blocks of 128 KiB or more (at most 128
     MiB in all, per kernel build) for the next call, which then does not
     page-fault them in again; this hands that memory back to the system."""
     builds = (sys.modules.get(f"fastconv._kernels.gemm_{isa}") for isa in _dispatch.ISA_ORDER)

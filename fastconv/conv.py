@@ -292,8 +292,7 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     if 0 not in in_shape and dy.size and _is_winograd(geo):
         flipped = _flipped_geometry(geo, in_shape[1:3])
         if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False):
-            return _forward(_channels_last(dy), _flipped_weight_matrix(w2d, groups, geo.kernel),
-                            groups, flipped, algorithm="winograd")
+            return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape)
     dx = np.zeros(in_shape, dy.dtype)
     if dx.size == 0 or dy.size == 0:
         return dx
@@ -335,14 +334,22 @@ def _flipped_geometry(geo, in_hw):
     return _Geometry(geo.kernel, (1, 1), (1, 1), (KH - 1 - PT, KW - 1 - PL), tuple(in_hw))
 
 
-def _flipped_weight_matrix(w2d, groups, kernel):
-    """(OC, KH*KW*Cg) forward weights -> (C, KH*KW*OCg) weights of the
-    flipped convolution of _flipped_geometry, group by group."""
-    OC, K = w2d.shape
-    KH, KW = kernel
-    Cg, OCg = K // (KH * KW), OC // groups
-    w = w2d.reshape(groups, OCg, KH, KW, Cg)[:, :, ::-1, ::-1, :]
-    return np.ascontiguousarray(w.transpose(0, 4, 2, 3, 1)).reshape(groups * Cg, KH * KW * OCg)
+def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):
+    """The input gradient of a 3x3 stride-1 layer as the Winograd
+    convolution of dy with the flipped kernel (geometry `flipped`); the
+    kernels read w2d's taps backwards, so no flipped copy is made."""
+    C, OC = in_shape[3], w2d.shape[0]
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    dx = np.empty(in_shape, dy.dtype)
+    dx_rows = _pixel_matrix(dx)
+    if _groups_in_parallel(groups, nt):
+        kernels.conv2d_forward_groups(dy, w2d, None, dx_rows, groups, *flipped, nt,
+                                      winograd=True, flipped=True)
+        return dx
+    for c, oc in _group_slices(groups, C, OC):
+        kernels.conv2d_winograd(dy[..., oc], w2d[oc], None, dx_rows[:, c], flipped.pad_before,
+                                flipped.out_hw, nt, flipped=True)
+    return dx
 
 
 def _weight_grad(dy, x, groups, geo):

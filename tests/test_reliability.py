@@ -893,7 +893,7 @@ def test_subnormal_inputs_are_not_much_slower(name):
 # -------------------------------------------------------- workspace cache
 
 def test_workspace_cache_is_bounded_reused_and_released():
-    """Freed workspace blocks are kept for the next call (at most 64 MiB),
+    """Freed workspace blocks are kept for the next call (at most 128 MiB),
     reused without changing any result, and handed back by
     fastconv.release_workspace()."""
     kernels = fastconv._dispatch.kernels
@@ -913,7 +913,7 @@ def test_workspace_cache_is_bounded_reused_and_released():
             np.testing.assert_array_equal(a, b)
         assert kernels.cached_workspace_bytes() == cached
     fastconv.conv2d(big, wbig, padding=1, algorithm="winograd")   # 38 MiB of filters
-    assert kernels.cached_workspace_bytes() <= 64 << 20
+    assert kernels.cached_workspace_bytes() <= 128 << 20
     released = fastconv.release_workspace()
     assert released > 0 and kernels.cached_workspace_bytes() == 0
     assert fastconv._config.config()["cached_workspace_bytes"] == 0

@@ -15,15 +15,20 @@ cdef int group_threads(int groups, int num_threads) noexcept nogil:
 def conv2d_forward_groups(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                           int groups, kernel, stride, dilation, pad_before, out_hw,
                           int num_threads, int activation=ACT_NONE, bint winograd=False,
-                          packed=None):
+                          packed=None, bint flipped=False):
     """conv2d_forward (winograd: conv2d_winograd) of each group, groups in
     parallel: x NHWC with C = groups*Cg, w (OC, KH*KW*Cg), y (N*OH*OW, OC),
     bias None or (OC,), packed None or a list of each group's packed
-    weights for the algorithm."""
+    weights for the algorithm.  flipped (Winograd only): w is (C, 3*3*OCg),
+    as conv2d_winograd(flipped=True) takes it."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
-    cdef Py_ssize_t Cg = x.shape[3] // groups, OCg = w.shape[0] // groups
+    cdef Py_ssize_t Cg = x.shape[3] // groups, OCg = y.shape[1] // groups
+    # Rows of w per group: its output channels, or (flipped) its inputs.
+    cdef Py_ssize_t wrows = Cg if flipped else OCg
+    if flipped and (not winograd or packed is not None):
+        raise ValueError("flipped needs winograd and no packed weights")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], Cg,
                                 kernel, stride, dilation, pad_before, out_hw)
     if winograd and (g.KH, g.KW, g.SH, g.SW, g.DH, g.DW) != (3, 3, 1, 1, 1, 1):
@@ -48,7 +53,7 @@ def conv2d_forward_groups(const real[:, :, :, :] x, const real[:, :] w, bias, re
     cdef int gi
     try:
         for gi in range(groups):
-            packed_ptrs[gi] = checked_packed(packs[gi], <real>0, algorithm, (OCg, w.shape[1]),
+            packed_ptrs[gi] = checked_packed(packs[gi], <real>0, algorithm, (wrows, w.shape[1]),
                                              (g.KH, g.KW))
     except BaseException:
         free(packed_ptrs)
@@ -63,9 +68,9 @@ def conv2d_forward_groups(const real[:, :, :, :] x, const real[:, :] w, bias, re
                          schedule="dynamic"):
             if winograd:
                 status[gi] = winograd_forward_nogil(
-                    &g, xp + gi * Cg, xs, wp + gi * OCg * rsw, rsw, OCg,
+                    &g, xp + gi * Cg, xs, wp + gi * wrows * rsw, rsw, OCg,
                     NULL if bias_ptr == NULL else bias_ptr + gi * OCg, activation,
-                    yp + gi * OCg, rsy, packed_ptrs[gi], 1)
+                    yp + gi * OCg, rsy, packed_ptrs[gi], 1, flipped)
             else:
                 status[gi] = conv_forward_nogil(
                     &g, xp + gi * Cg, xs, wp + gi * OCg * rsw, rsw, OCg,

@@ -85,22 +85,31 @@ cdef void transpose_into(Py_ssize_t rows, Py_ssize_t cols, const real* a, Py_ssi
 
 
 cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
-                           const KBlock* blocks, const WinoLayout* lay, int nt,
+                           bint flipped, const KBlock* blocks, const WinoLayout* lay, int nt,
                            real* dst) noexcept nogil:
-    # w (OC x 9*C, OHWI rows rsw apart) -> U = G g G^T per (oc, c), written
-    # straight into the packed layout of the GEMM's B operand (C x OC) of
-    # each point, point p at dst + p*point_size.  The transform runs on
-    # vectors of output channels: the weight is transposed to (tap, c, OC)
-    # first, and a vector of VL output channels (VL divides NR) then lands
-    # as VL contiguous values of one packed panel row.  Returns -1 when out
-    # of memory.
+    # The filters of a conv with C input and OC output channels -> U = G g
+    # G^T per (oc, c), written straight into the packed layout of the
+    # GEMM's B operand (C x OC) of each point, point p at dst +
+    # p*point_size.  w: the conv's (OC x 9*C) weight, OHWI rows rsw apart;
+    # or, flipped, the (C x 9*OC) weight of the convolution whose input
+    # gradient this conv is (g[oc, t, c] = w[c, 8 - t, oc]).  The transform
+    # runs on vectors of output channels, VL of which (VL divides NR) land
+    # as VL contiguous values of one packed panel row: a flipped weight has
+    # them contiguous already (taps read backwards), the other is
+    # transposed to (tap, c, OC) first.  Returns -1 when out of memory.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t kc_blk = blocks[0].kc, kc_max = max_block_depth(blocks, lay.n_kb)
-    cdef real* wt = <real*>aligned_malloc(9 * C * OC * sizeof(real))
-    if wt == NULL:
-        return -1
-    transpose_into(OC, 9 * C, w, rsw, wt, nt)
+    cdef real* wt = NULL
+    # Filter of (c, oc) tap t at src + c*src_c + oc + t*src_t.
+    cdef const real* src = w + 8 * OC
+    cdef Py_ssize_t src_c = rsw, src_t = -OC
+    if not flipped:
+        wt = <real*>aligned_malloc(9 * C * OC * sizeof(real))
+        if wt == NULL:
+            return -1
+        transpose_into(OC, 9 * C, w, rsw, wt, nt)
+        src, src_c, src_t = wt, OC, C * OC
     if OC % NR:
         # The columns past OC of the last panels multiply into discarded
         # accumulators; zeros keep NaN and subnormals out of them.
@@ -117,13 +126,13 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
                    + (c - blocks[kb].k0) * NR + oc % NR)
             if j < n_vec:
                 if real is float:
-                    fc_wino_filter_f32(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+                    fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
                 else:
-                    fc_wino_filter_f64(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+                    fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
             elif real is float:
-                fc_wino_filter1_f32(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+                fc_wino_filter1_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
             else:
-                fc_wino_filter1_f64(wt + c * OC + oc, C * OC, dst + off, lay.point_size)
+                fc_wino_filter1_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
     aligned_free(wt)
     return 0
 
@@ -179,10 +188,13 @@ cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_s
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
-                                const real* prepacked, int max_threads) noexcept nogil:
+                                const real* prepacked, int max_threads,
+                                bint flipped=False) noexcept nogil:
     # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias): the
     # same contract as conv_forward_nogil for KH = KW = 3, stride 1,
-    # dilation 1.  prepacked: NULL or pack_winograd_weights' U.
+    # dilation 1.  prepacked: NULL or pack_winograd_weights' U.  flipped:
+    # w is the (C x 9*OC) weight of the convolution whose input gradient
+    # this is (see wino_pack_filters).
     cdef Py_ssize_t tiles_h = cdiv(g.OH, WINO_TILE), tiles_w = cdiv(g.OW, WINO_TILE)
     cdef Py_ssize_t tiles = g.N * tiles_h * tiles_w
     cdef int nt = threads_for(2.0 * WINO_POINTS * tiles * g.C * OC, max_threads)
@@ -193,7 +205,8 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef real* upack = <real*>prepacked
     if prepacked == NULL:
         upack = <real*>aligned_malloc(WINO_POINTS * lay.point_size * sizeof(real))
-        if upack == NULL or wino_pack_filters(w, rsw, OC, g.C, blocks, &lay, nt, upack) != 0:
+        if upack == NULL or wino_pack_filters(w, rsw, OC, g.C, flipped, blocks, &lay, nt,
+                                              upack) != 0:
             aligned_free(upack)
             free(blocks)
             return -1
@@ -244,7 +257,8 @@ def pack_winograd_weights(const real[:, ::1] w, int num_threads):
     cdef real[::1] dst = packed
     cdef int status
     with nogil:
-        status = wino_pack_filters(&w[0, 0], w.strides[0] // sizeof(real), OC, C, blocks, &lay,
+        status = wino_pack_filters(&w[0, 0], w.strides[0] // sizeof(real), OC, C, False,
+                                   blocks, &lay,
                                    num_threads, &dst[0])
     free(blocks)
     if status != 0:
@@ -255,14 +269,21 @@ def pack_winograd_weights(const real[:, ::1] w, int num_threads):
 
 def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                     pad_before, out_hw, int num_threads, int activation=ACT_NONE,
-                    packed=None):
+                    packed=None, bint flipped=False):
     """y = act(conv3x3(x, w) (+ bias)) by Winograd F(4x4, 3x3), stride 1,
     dilation 1: x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC); packed None or
-    pack_winograd_weights(w)."""
+    pack_winograd_weights(w).  flipped: w is (C, 3*3*OC), the weight of the
+    convolution whose input gradient this one is, used with its taps
+    reversed and channels swapped (no packed weights then)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
-    if w.shape[1] != 9 * x.shape[3]:
+    cdef Py_ssize_t OC = w.shape[1] // 9 if flipped else w.shape[0]
+    if flipped and (w.shape[0] != x.shape[3] or w.shape[1] != 9 * y.shape[1]
+                    or packed is not None):
+        raise ValueError(f"flipped: w must be ({x.shape[3]}, 3*3*{y.shape[1]}) and nothing "
+                         f"packed; got {tuple(w.shape)[:2]}")
+    if not flipped and w.shape[1] != 9 * x.shape[3]:
         raise ValueError(f"w must be (OC, 3*3*{x.shape[3]}); got {tuple(w.shape)[:2]}")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 (3, 3), (1, 1), (1, 1), pad_before, out_hw)
@@ -278,8 +299,9 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     cdef int status
     with nogil:
         status = winograd_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0],
-                                        w.strides[0] // item, w.shape[0], bias_ptr, activation,
-                                        &y[0, 0], y.strides[0] // item, packed_ptr, num_threads)
+                                        w.strides[0] // item, OC, bias_ptr, activation,
+                                        &y[0, 0], y.strides[0] // item, packed_ptr, num_threads,
+                                        flipped)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")
 
