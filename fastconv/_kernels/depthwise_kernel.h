@@ -71,26 +71,34 @@
  * row oh*SH - PT + kh*DH of the image (NULL when outside it); pixels
  * ow in [lo, hi) have all three columns inside the image and skip the
  * column checks.  y: the output row, pixels C apart. */
-#define FC_DW3_PIXEL(T, V, CHECK)                                               \
+#define FC_DW3_FOR_TAPS(V, CHECK, BODY)                                         \
+    /* For each tap t of pixel ow inside the image: xv = its input; BODY. */    \
     {                                                                           \
         ptrdiff_t iw0 = ow * SW - PL;                                           \
-        V acc = bv, xv;                                                         \
-        FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                              \
+        V xv;                                                                   \
+        FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                           \
             if (rows[kh] == NULL) continue;                                     \
-            FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                          \
+            FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                       \
                 ptrdiff_t iw = iw0 + kw * DW;                                   \
+                const int t = kh * 3 + kw;                                      \
                 if (CHECK && (iw < 0 || iw >= W)) continue;                     \
                 memcpy(&xv, rows[kh] + iw * xsw + c, sizeof(V));                \
-                acc += xv * wv[kh * 3 + kw];                                    \
+                BODY                                                            \
             }                                                                   \
         }                                                                       \
+    }
+
+#define FC_DW3_PIXEL(T, V, CHECK)                                               \
+    {                                                                           \
+        V acc = bv;                                                             \
+        FC_DW3_FOR_TAPS(V, CHECK, acc += xv * wv[t];)                           \
         memcpy(y + ow * C + c, &acc, sizeof(V));                                \
     }
 
 #define FC_DW3_STEP(T, V)                                                       \
     {                                                                           \
         V wv[9], bv;                                                            \
-        FC_DW_UNROLL for (int t = 0; t < 9; t++)                                   \
+        FC_DW_UNROLL for (int t = 0; t < 9; t++)                                \
             memcpy(&wv[t], w + t * C + c, sizeof(V));                           \
         if (bias) memcpy(&bv, bias + c, sizeof(V));                             \
         else memset(&bv, 0, sizeof(V));                                         \
@@ -107,18 +115,9 @@
  * gradients, pixels C apart. */
 #define FC_DW3_GRADW_PIXEL(T, V, CHECK)                                         \
     {                                                                           \
-        ptrdiff_t iw0 = ow * SW - PL;                                           \
-        V dv, xv;                                                               \
+        V dv;                                                                   \
         memcpy(&dv, dy + ow * C + c, sizeof(V));                                \
-        FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                           \
-            if (rows[kh] == NULL) continue;                                     \
-            FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                       \
-                ptrdiff_t iw = iw0 + kw * DW;                                   \
-                if (CHECK && (iw < 0 || iw >= W)) continue;                     \
-                memcpy(&xv, rows[kh] + iw * xsw + c, sizeof(V));                \
-                acc[kh * 3 + kw] += xv * dv;                                    \
-            }                                                                   \
-        }                                                                       \
+        FC_DW3_FOR_TAPS(V, CHECK, acc[t] += xv * dv;)                           \
     }
 
 #define FC_DW3_GRADW_STEP(T, V)                                                 \
