@@ -426,11 +426,30 @@ def _edge_cases():
     return cases
 
 
+@pytest.fixture(params=["pack-all", "pack-per-block"])
+def b_packing(request):
+    """gemm packs a B of up to 8 MiB whole, a larger one a KC x NC block at a
+    time; a zero budget drives the block-at-a-time path with small shapes."""
+    if request.param == "pack-all":
+        yield request.param
+        return
+    budgets = {}
+    for isa_name in AVAILABLE:
+        with _dispatch.use_isa(isa_name) as k:
+            budgets[isa_name] = k.set_pack_all_bytes(0)
+    try:
+        yield request.param
+    finally:
+        for isa_name, budget in budgets.items():
+            with _dispatch.use_isa(isa_name) as k:
+                k.set_pack_all_bytes(budget)
+
+
 @pytest.mark.parametrize("isa_name, dtype, shape", _edge_cases())
-def test_blocking_edges(isa_name, dtype, shape):
+def test_blocking_edges(isa_name, dtype, shape, b_packing):
     """M, N, K just below/above multiples of the micro-tile and of MC/NC/KC,
-    with every packing path (row-/column-major a and b, transposed c) and
-    1 vs 2 threads."""
+    with every packing path (row-/column-major a and b, transposed c; B
+    packed whole or a block at a time) and 1 vs 2 threads."""
     M, N, K = shape
     rng = rng_for("edges", isa_name, dtype_id(dtype), *shape)
     a0, b0, c0 = randn(rng, (M, K), dtype), randn(rng, (K, N), dtype), randn(rng, (M, N), dtype)

@@ -43,6 +43,10 @@ cdef extern from "micro_kernel.h":
                             const double* a0, Py_ssize_t rsa, const double* b,
                             double* acc) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
+    void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
+                        float* dst) noexcept nogil
+    void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
+                        double* dst) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
 
 ctypedef fused real:
@@ -98,6 +102,20 @@ cdef inline void* aligned_malloc(size_t nbytes) noexcept nogil:
 
 cdef inline void aligned_free(void* p) noexcept nogil:
     fc_ws_free(p)
+
+
+# Largest B that gemm packs whole before multiplying (see gemm_nogil).  A
+# variable so that tests can drive the block-at-a-time path with small B.
+cdef Py_ssize_t pack_all_bytes = 8 * 1024 * 1024
+
+
+def set_pack_all_bytes(Py_ssize_t nbytes):
+    """Set the whole-B packing budget (tests only: not thread-safe); returns
+    the previous value."""
+    global pack_all_bytes
+    previous = pack_all_bytes
+    pack_all_bytes = max(0, nbytes)
+    return previous
 
 
 def release_workspace():
@@ -220,6 +238,12 @@ cdef void pack_b_panel(Py_ssize_t kc, Py_ssize_t nr, const real* b,
             src = b + p * rsb
             for j in range(NR):
                 dst[p * NR + j] = src[j]
+    elif rsb == 1:
+        # B = W^T with W's rows contiguous (conv weights, trans_b).
+        if real is float:
+            fc_pack_bt_f32(kc, nr, b, csb, dst)
+        else:
+            fc_pack_bt_f64(kc, nr, b, csb, dst)
     else:
         for p in range(kc):
             src = b + p * rsb
@@ -245,12 +269,23 @@ cdef void copy_a_panel(Py_ssize_t mr, Py_ssize_t kc, const real* a,
                 dst[i * ld + p] = a[i * rsa + p * csa]
 
 
-cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
-                       Py_ssize_t jp0, Py_ssize_t jp1,
-                       const real* a, Py_ssize_t rsa, Py_ssize_t csa,
-                       const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
-                       real alpha, real beta, bint first, const real* bias,
-                       int act) noexcept nogil:
+cdef inline void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
+                              Py_ssize_t jp0, Py_ssize_t jp1,
+                              const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                              const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                              real alpha, real beta, bint first, const real* bias,
+                              int act) noexcept nogil:
+    # B's NR panels packed kc deep, one after another.
+    macro_kernel_ld(mc, nc, kc, kc, jp0, jp1, a, rsa, csa, bpack, c, rsc, csc, alpha, beta,
+                    first, bias, act)
+
+
+cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_t ldb,
+                          Py_ssize_t jp0, Py_ssize_t jp1,
+                          const real* a, Py_ssize_t rsa, Py_ssize_t csa,
+                          const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                          real alpha, real beta, bint first, const real* bias,
+                          int act) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A is not packed into k-major panels (see
     # micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
@@ -277,9 +312,9 @@ cdef void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
         for jp in range(jp0, jp1):
             jr = jp * NR
             if real is float:
-                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * kc, acc)
+                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, acc)
             else:
-                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * kc, acc)
+                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, acc)
             store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
                        mr, min(NR, nc - jr), alpha, beta, first,
                        NULL if bias == NULL else bias + jr, act)
@@ -392,18 +427,59 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     cdef Py_ssize_t m_panels = cdiv(M, MR), n_ic, n_js
     best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
 
-    cdef real* bbuf = <real*>aligned_malloc(kc_blk * nc_blk * sizeof(real))
+    cdef Py_ssize_t n_jb = cdiv(N, nc_blk), n_kb = cdiv(K, kc_blk)
+    cdef Py_ssize_t panels_per_blk = nc_blk // NR
+    # A B of up to pack_all_bytes is packed whole in one parallel region
+    # and multiplied in a second: two thread-team wake-ups per call instead
+    # of two per KC x NC block (32 for K = 2048, N = 512, where the barriers
+    # cost ~13 % at batch-1 sizes).  A larger B is packed a block at a time
+    # into one L2-sized buffer, the Goto way.
+    cdef bint pack_all = K * N * <Py_ssize_t>sizeof(real) <= pack_all_bytes
+    cdef real* bbuf = <real*>aligned_malloc(
+        (n_jb * n_kb if pack_all else 1) * kc_blk * nc_blk * sizeof(real))
     if bbuf == NULL:
         return -1
 
-    cdef Py_ssize_t jblk, jc, pblk, pc, nc, kc, n_panels, jp, task, ic, ic_end, js
+    cdef Py_ssize_t jblk, jc, pblk, pc, nc, kc, n_panels, jp, task, ic, ic_end, js, t
     cdef bint first
 
-    for jblk in range(cdiv(N, nc_blk)):
+    if pack_all:
+        for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
+            jblk = t // (n_kb * panels_per_blk)
+            pblk = (t // panels_per_blk) % n_kb
+            jp = t % panels_per_blk
+            jc = jblk * nc_blk + jp * NR
+            pc = pblk * kc_blk
+            if jc < N:
+                pack_b_panel(min(kc_blk, K - pc), min(NR, N - jc), b + pc * rsb + jc * csb,
+                             rsb, csb, bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
+        for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
+            ic = min(M, (task // n_js) * m_panels // n_ic * MR)
+            ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
+            js = task % n_js
+            if ic_end > ic:
+                for jblk in range(n_jb):
+                    jc = jblk * nc_blk
+                    nc = min(nc_blk, N - jc)
+                    n_panels = cdiv(nc, NR)
+                    for pblk in range(n_kb):
+                        pc = pblk * kc_blk
+                        # Panels of a short last K block sit kc_blk apart.
+                        macro_kernel_ld(ic_end - ic, nc, min(kc_blk, K - pc), kc_blk,
+                                        js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                                        a + ic * rsa + pc * csa, rsa, csa,
+                                        bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
+                                        c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
+                                        pblk == 0, NULL if bias == NULL else bias + jc,
+                                        act if pblk == n_kb - 1 else ACT_NONE)
+        aligned_free(bbuf)
+        return 0
+
+    for jblk in range(n_jb):
         jc = jblk * nc_blk
         nc = min(nc_blk, N - jc)
         n_panels = cdiv(nc, NR)
-        for pblk in range(cdiv(K, kc_blk)):
+        for pblk in range(n_kb):
             pc = pblk * kc_blk
             kc = min(kc_blk, K - pc)
             first = pc == 0
@@ -420,7 +496,7 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                  a + ic * rsa + pc * csa, rsa, csa, bbuf,
                                  c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
                                  NULL if bias == NULL else bias + jc,
-                                 act if pblk == cdiv(K, kc_blk) - 1 else ACT_NONE)
+                                 act if pblk == n_kb - 1 else ACT_NONE)
     aligned_free(bbuf)
     return 0
 
