@@ -781,6 +781,11 @@ def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):
     (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
     (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
+    # Batch 1, an odd number of pixel chunks: the threads split the output
+    # channels, over one chunk of every pixel (patch rows <= 2 MiB) ...
+    (1, 11, 11, 256, 64, 3, 1, 1, 1),
+    # ... or, above that, each thread walking every chunk for its share.
+    (1, 10, 11, 600, 64, 3, 1, 1, 1),
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):

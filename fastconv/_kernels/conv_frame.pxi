@@ -427,6 +427,19 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
+    # Chunks of pixels split across threads, or, when there are too few
+    # (batch 1 at 7x7), the output channels too; then threads plan the same
+    # chunk, a small price next to its multiplication.
+    cdef Py_ssize_t n_chunks = cdiv(M, R), n_ic, n_js
+    best_split(n_chunks, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
+    if n_js > 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
+        # Each chunk streams the thread's share of the packed weights from
+        # L3 or memory once: with the columns split, one chunk of every
+        # pixel streams it once in all (512->512 @7: 4.7 MiB a thread).
+        R = cdiv(M, MR) * MR
+        n_chunks = 1
+    if n_ic < n_chunks:
+        n_ic = n_chunks
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
     if bpack == NULL or bufs == NULL or seg_bufs == NULL:
@@ -438,22 +451,19 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         free(tap_off)
         return -1
     cdef bint use_taps = taps_path_ok(g, xs, <real>0)
-    # Chunks of pixels split across threads, or, when there are too few
-    # (batch 1 at 7x7), the output channels too; then threads plan the same
-    # chunk, a small price next to its multiplication.
-    cdef Py_ssize_t n_chunks = cdiv(M, R), n_ic, n_js
-    best_split(n_chunks, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
-    if n_ic < n_chunks:
-        n_ic = n_chunks
+    # Tasks are ordered by column share, then chunk, so that the static
+    # schedule gives each thread whole shares: chunk-major order handed one
+    # thread 36 of 49 rows' work at 512->512 @7 batch 1 (3 chunks x 2
+    # shares).
     cdef Py_ssize_t task, m0, tid, nseg
     for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
-        m0 = (task // n_js) * R
+        m0 = (task % n_ic) * R
         tid = threadid()
         nseg = plan_segments(g, x, xs, m0, min(M, m0 + R), use_taps,
                              bufs + tid * R * ld, ld, seg_bufs + tid * R)
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
-                          task % n_js, n_js, bias, act, y, rsy)
+                          task // n_ic, n_js, bias, act, y, rsy)
     if prepacked == NULL:
         aligned_free(bpack)
     aligned_free(bufs)
