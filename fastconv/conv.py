@@ -184,13 +184,16 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     return prepacked or tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
 
 
-def _small_strided_patches(N, geo, Cg):
+def _small_strided_patches(N, geo, Cg, prepacked):
     """Strided KxK (K > 1) layers whose whole patch matrix is at most 2 MiB
-    (float32): building it and running one GEMM measured 5-54 % faster than
-    implicit GEMM there (ResNet's 3x3/2 layers at batch 1-2), and 0-14 %
-    slower on larger ones, where the copy no longer stays in cache."""
+    (float32), with weights packed per call: building it and running one
+    GEMM measured 2-5 % faster than implicit GEMM there (ResNet-18's 3x3/2
+    layers at batch 1; 5-54 % before implicit GEMM balanced its chunks
+    across threads), and slower on larger ones, where the copy no longer
+    stays in cache.  With prepacked weights implicit GEMM is as fast or
+    faster (3x3/2 256->512 @14: 0.59 vs 0.78 ms)."""
     KH, KW = geo.kernel
-    if geo.stride == (1, 1) or KH * KW == 1:
+    if prepacked or geo.stride == (1, 1) or KH * KW == 1:
         return False
     return N * geo.out_hw[0] * geo.out_hw[1] * KH * KW * Cg * 4 <= 2 << 20
 
@@ -216,7 +219,7 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
             return "gemm1x1"
         if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):
             return "winograd"
-        if _small_strided_patches(N, geo, C // groups):
+        if _small_strided_patches(N, geo, C // groups, prepacked):
             return "im2col"
         return "implicit"
     if algorithm == "direct" and not _is_depthwise(groups, C):

@@ -427,19 +427,25 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
-    # Chunks of pixels split across threads, or, when there are too few
-    # (batch 1 at 7x7), the output channels too; then threads plan the same
-    # chunk, a small price next to its multiplication.
-    cdef Py_ssize_t n_chunks = cdiv(M, R), n_ic, n_js
-    best_split(n_chunks, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
+    # Threads split the pixels (in chunks), or, when their micro-panels are
+    # too few to share evenly (batch 1 at 7x7), the output channels too;
+    # then threads plan the same chunk, a small price next to its
+    # multiplication.
+    cdef Py_ssize_t m_panels = cdiv(M, MR), n_chunks = cdiv(M, R), n_ic, n_js
+    best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
+    if n_chunks < 8 * n_ic:
+        # Equal chunks, as many as a multiple of the pixel shares: 784
+        # pixels as 512 + 272 left one thread idle a third of the call.
+        n_chunks = cdiv(n_chunks, n_ic) * n_ic
+        R = cdiv(m_panels, n_chunks) * MR
+        n_chunks = cdiv(M, R)
     if n_js > 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
         # Each chunk streams the thread's share of the packed weights from
         # L3 or memory once: with the columns split, one chunk of every
         # pixel streams it once in all (512->512 @7: 4.7 MiB a thread).
-        R = cdiv(M, MR) * MR
+        R = m_panels * MR
         n_chunks = 1
-    if n_ic < n_chunks:
-        n_ic = n_chunks
+    n_ic = n_chunks
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
     if bpack == NULL or bufs == NULL or seg_bufs == NULL:
