@@ -516,8 +516,13 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, GRAD_W_MIN_ROWS)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     cdef Py_ssize_t n_chunks = cdiv(M, R)
-    cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(K, NR) * NR
     cdef bint split_chunks = n_chunks >= 4 * nt
+    if split_chunks and n_chunks % nt:
+        # Equal chunks, a multiple of the threads (5 chunks on 2 threads
+        # is a 3:2 split).
+        R = cdiv(M, cdiv(n_chunks, nt) * nt)
+        n_chunks = cdiv(M, R)
+    cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(K, NR) * NR
     cdef Py_ssize_t n_acc = nt if split_chunks else 1
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef real* bpacks = <real*>aligned_malloc(nt * bpack_size * sizeof(real))
