@@ -162,9 +162,17 @@ _ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 
 
 def _is_winograd(geo):
-    # Winograd F(4x4, 3x3): 3x3 kernels at stride 1 and dilation 1 (any
-    # padding, any output size: partial tiles are cut at the edges).
-    return geo.kernel == (3, 3) and geo.stride == (1, 1) and geo.dilation == (1, 1)
+    # Winograd F(4x4, 3x3): 3x3 kernels at stride 1 (any padding, any output
+    # size: partial tiles are cut at the edges; a dilated layer's tiles are
+    # cut per dilation phase, their pixels d apart).
+    return geo.kernel == (3, 3) and geo.stride == (1, 1)
+
+
+def _winograd_tiles(N, geo):
+    # 4x4 output tiles, as the kernel cuts them: per dilation phase (the
+    # outputs a + d*i of each residue a form an undilated convolution).
+    (DH, DW), (OH, OW) = geo.dilation, geo.out_hw
+    return N * DH * -(-(-(-OH // DH)) // 4) * DW * -(-(-(-OW // DW)) // 4)
 
 
 def _winograd_pays(N, geo, Cg, OCg, prepacked):
@@ -180,7 +188,7 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     at 512x512 (0.84x at 16, 1.1x at 32)."""
     if Cg < 16 or OCg < 16:
         return False
-    tiles = N * -(-geo.out_hw[0] // 4) * -(-geo.out_hw[1] // 4)
+    tiles = _winograd_tiles(N, geo)
     return prepacked or tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
 
 
@@ -203,8 +211,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
 
     - "direct": depthwise (groups == C > 1), a kernel vectorised over channels;
     - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is;
-    - "winograd": 3x3, stride 1, dilation 1: Winograd F(4x4, 3x3), 36 GEMMs
-      in the transformed domain (2.25x fewer multiplications; see
+    - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
+      GEMMs in the transformed domain (4x fewer multiplications; see
       _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
@@ -228,9 +236,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
     if algorithm == "gemm1x1" and not _is_pointwise(geo, in_hw):
         raise ValueError("algorithm='gemm1x1' needs a 1x1 kernel with stride 1 and no padding")
     if algorithm == "winograd" and not _is_winograd(geo):
-        raise ValueError(f"algorithm='winograd' needs a 3x3 kernel with stride 1 and dilation 1 "
-                         f"(got kernel {geo.kernel}, stride {geo.stride}, "
-                         f"dilation {geo.dilation})")
+        raise ValueError(f"algorithm='winograd' needs a 3x3 kernel with stride 1 "
+                         f"(got kernel {geo.kernel}, stride {geo.stride})")
     return algorithm
 
 
@@ -273,7 +280,8 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
         elif algorithm == "winograd":
             kernels.conv2d_winograd(x[..., c], w2d[oc], b, y_rows[:, oc], geo.pad_before,
                                     geo.out_hw, nt, act,
-                                    None if packed is None else packed(kernels, g, algorithm))
+                                    None if packed is None else packed(kernels, g, algorithm),
+                                    dilation=geo.dilation)
         else:
             kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act,
                                    None if packed is None else packed(kernels, g, algorithm))
@@ -328,13 +336,14 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
 
 
 def _flipped_geometry(geo, in_hw):
-    """For stride 1 and dilation 1, the data gradient is itself a
-    convolution: dx[i] = sum_k dy[i + pad - k] w[k] = sum_j dy[i - (K-1-pad)
-    + j] w[K-1-j], i.e. dy convolved with the flipped kernel (input and
-    output channels swapped) under padding K-1-pad before, giving the input
-    size.  This is that convolution's geometry."""
-    (KH, KW), (PT, PL) = geo.kernel, geo.pad_before
-    return _Geometry(geo.kernel, (1, 1), (1, 1), (KH - 1 - PT, KW - 1 - PL), tuple(in_hw))
+    """For stride 1, the data gradient is itself a convolution: dx[i] =
+    sum_k dy[i + pad - d*k] w[k] = sum_j dy[i - (d*(K-1)-pad) + d*j]
+    w[K-1-j], i.e. dy convolved with the flipped kernel (input and output
+    channels swapped) at the same dilation d under padding d*(K-1)-pad
+    before, giving the input size.  This is that convolution's geometry."""
+    (KH, KW), (DH, DW), (PT, PL) = geo.kernel, geo.dilation, geo.pad_before
+    return _Geometry(geo.kernel, (1, 1), geo.dilation,
+                     (DH * (KH - 1) - PT, DW * (KW - 1) - PL), tuple(in_hw))
 
 
 def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):
@@ -351,7 +360,7 @@ def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):
         return dx
     for c, oc in _group_slices(groups, C, OC):
         kernels.conv2d_winograd(dy[..., oc], w2d[oc], None, dx_rows[:, c], flipped.pad_before,
-                                flipped.out_hw, nt, flipped=True)
+                                flipped.out_hw, nt, flipped=True, dilation=flipped.dilation)
     return dx
 
 

@@ -19,14 +19,14 @@ from reference import explicit_pads
 ERROR_RATIO = 10.0
 
 
-def reference(x, w, b, pads, groups=1, activation=None):
+def reference(x, w, b, pads, groups=1, activation=None, dilation=(1, 1)):
     """float64 torch conv of NHWC x, OHWI w, explicit ((t, b), (l, r)) pads."""
     (top, bottom), (left, right) = pads
     xt = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2))
     xt = F.pad(xt, (left, right, top, bottom))
     wt = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
     bt = None if b is None else torch.from_numpy(b.astype(np.float64))
-    y = F.conv2d(xt, wt, bt, groups=groups).numpy().transpose(0, 2, 3, 1)
+    y = F.conv2d(xt, wt, bt, groups=groups, dilation=dilation).numpy().transpose(0, 2, 3, 1)
     if activation is not None:
         y = np.maximum(y, 0)
     if activation == "relu6":
@@ -38,12 +38,14 @@ def max_error(y, ref):
     return np.abs(y.astype(np.float64) - ref).max()
 
 
-def check_against_direct(x, w, b=None, padding=1, groups=1, activation=None, **kw):
+def check_against_direct(x, w, b=None, padding=1, groups=1, activation=None,
+                         dilation=(1, 1), **kw):
     """Run Winograd and implicit GEMM on the same call; Winograd's error vs
     float64 within ERROR_RATIO x the direct one's (float32) or 1e-12
     relative (float64)."""
-    pads = explicit_pads(padding, x.shape[1:3], (3, 3), (1, 1), (1, 1))
-    ref = reference(x, w, b, pads, groups, activation)
+    pads = explicit_pads(padding, x.shape[1:3], (3, 3), (1, 1), dilation)
+    ref = reference(x, w, b, pads, groups, activation, dilation)
+    kw["dilation"] = dilation
     y = conv2d(x, w, b, padding=padding, groups=groups, activation=activation,
                algorithm="winograd", **kw)
     assert y.dtype == x.dtype and y.shape == ref.shape
@@ -101,6 +103,40 @@ def test_winograd_matches_reference(isa, shape, padding, groups, dtype):
                 previous = kernels.set_winograd_chunk_bytes(budget)
             try:
                 check_against_direct(x, w, b, padding, groups)
+            finally:
+                if budget is not None:
+                    kernels.set_winograd_chunk_bytes(previous)
+
+
+DILATED_CASES = [
+    # (N, H, W, C, OC), padding, dilation, groups
+    ((1, 28, 28, 32, 32), 2, (2, 2), 1),              # "same": every phase alike
+    ((2, 13, 11, 16, 24), (1, 4), (3, 2), 1),         # phases of unequal sizes
+    ((1, 9, 10, 20, 18), 0, (2, 3), 1),
+    ((1, 5, 7, 17, 16), 4, (4, 4), 1),                # phases mostly padding
+    ((2, 16, 15, 16, 16), ((2, 0), (1, 3)), (2, 1), 1),
+    ((1, 6, 6, 16, 16), ((3, 7), (7, 3)), (5, 5), 1), # windows wholly in the padding
+    ((1, 12, 11, 64, 64), 2, (2, 3), 4),              # groups in parallel
+]
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("shape, padding, dilation, groups", DILATED_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dilated_winograd_matches_reference(isa, shape, padding, dilation, groups, dtype):
+    """A dilated layer's tiles are cut per dilation phase (outputs a + d*i of
+    each residue a), their windows and pixels d apart."""
+    N, H, W, C, OC = shape
+    rng = np.random.default_rng(H * W + C + dilation[0])
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        for budget in (None, 1):
+            if budget is not None:
+                previous = kernels.set_winograd_chunk_bytes(budget)
+            try:
+                check_against_direct(x, w, b, padding, groups, dilation=dilation)
             finally:
                 if budget is not None:
                     kernels.set_winograd_chunk_bytes(previous)
@@ -230,7 +266,7 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
 
 @pytest.mark.parametrize("kernel, kwargs, message", [
     (3, dict(stride=2), "stride 1"),
-    (3, dict(dilation=2), "dilation 1"),
+    (3, dict(stride=(1, 2), dilation=2), "stride 1"),
     (5, {}, "3x3"),
 ])
 def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
@@ -240,35 +276,38 @@ def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
         conv2d(x, w, algorithm="winograd", **kwargs)
 
 
-@pytest.mark.parametrize("shape, padding, groups", [
-    ((2, 14, 14, 32, 16), 1, 1),
-    ((1, 19, 23, 16, 24), ((2, 0), (1, 2)), 1),
-    ((2, 16, 16, 32, 32), 1, 2),
-    ((1, 30, 30, 16, 16), 3, 1),            # flipped padding below zero
-    ((1, 28, 28, 16, 16), 0, 1),
+@pytest.mark.parametrize("shape, padding, groups, dilation", [
+    ((2, 14, 14, 32, 16), 1, 1, 1),
+    ((1, 19, 23, 16, 24), ((2, 0), (1, 2)), 1, 1),
+    ((2, 16, 16, 32, 32), 1, 2, 1),
+    ((1, 30, 30, 16, 16), 3, 1, 1),            # flipped padding below zero
+    ((1, 28, 28, 16, 16), 0, 1, 1),
+    ((1, 28, 28, 32, 32), 2, 1, 2),            # dilated: the flipped conv is too
+    ((2, 23, 19, 16, 24), ((1, 3), (4, 0)), 1, (3, 2)),
 ], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_data_gradient_by_winograd(shape, padding, groups, dtype, monkeypatch):
+def test_data_gradient_by_winograd(shape, padding, groups, dilation, dtype, monkeypatch):
     """For 3x3 stride-1 layers the input gradient is the convolution of
     grad_output with the flipped kernel, which auto runs by Winograd when
     it pays: against float64 torch, within 10x the direct path's error."""
     N, H, W, C, OC = shape
+    dh, dw = (dilation, dilation) if isinstance(dilation, int) else dilation
     rng = np.random.default_rng(H + C)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
-    pads = explicit_pads(padding, (H, W), (3, 3), (1, 1), (1, 1))
+    pads = explicit_pads(padding, (H, W), (3, 3), (1, 1), (dh, dw))
     (top, bottom), (left, right) = pads
-    dy = rng.standard_normal((N, H + top + bottom - 2, W + left + right - 2, OC)).astype(dtype)
+    OH, OW = H + top + bottom - 2 * dh, W + left + right - 2 * dw
+    dy = rng.standard_normal((N, OH, OW, OC)).astype(dtype)
     tx = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2)).requires_grad_()
     tw = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
-    F.conv2d(F.pad(tx, (left, right, top, bottom)), tw, groups=groups).backward(
-        torch.from_numpy(dy.astype(np.float64).transpose(0, 3, 1, 2)))
+    F.conv2d(F.pad(tx, (left, right, top, bottom)), tw, groups=groups,
+             dilation=(dh, dw)).backward(torch.from_numpy(dy.astype(np.float64).transpose(0, 3, 1, 2)))
     ref = tx.grad.numpy().transpose(0, 2, 3, 1)
     flipped = fastconv.conv._flipped_geometry(
-        fastconv.conv._Geometry((3, 3), (1, 1), (1, 1), (top, left),
-                                (H + top + bottom - 2, W + left + right - 2)), (H, W))
+        fastconv.conv._Geometry((3, 3), (1, 1), (dh, dw), (top, left), (OH, OW)), (H, W))
     assert fastconv.conv._winograd_pays(N, flipped, OC // groups, C // groups, False)
-    gx = fastconv.conv2d_backward(dy, x, w, padding=padding, groups=groups,
+    gx = fastconv.conv2d_backward(dy, x, w, padding=padding, groups=groups, dilation=dilation,
                                   output_mask=(True, False, False))[0]
     scale = np.abs(ref).max()
     if dtype == np.float64:
@@ -276,6 +315,6 @@ def test_data_gradient_by_winograd(shape, padding, groups, dtype, monkeypatch):
         return
     monkeypatch.setattr(fastconv.conv, "_winograd_pays", lambda *args: False)
     direct = fastconv.conv2d_backward(dy, x, w, padding=padding, groups=groups,
-                                      output_mask=(True, False, False))[0]
+                                      dilation=dilation, output_mask=(True, False, False))[0]
     assert max_error(gx, ref) <= ERROR_RATIO * max(max_error(direct, ref), 1e-7 * scale)
     assert max_error(gx, ref) > 0 and not np.array_equal(gx, direct)   # two paths ran

@@ -656,6 +656,15 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
     return 0
 
 
+cdef check_pixel_rows(const ConvGeom* g, Py_ssize_t rows, Py_ssize_t cols,
+                      Py_ssize_t expected_cols, str name):
+    # A matrix with one row per output pixel that does not match the
+    # geometry would be read or written out of bounds.
+    if rows != g.N * g.OH * g.OW or cols != expected_cols:
+        raise ValueError(f"{name} must be ({g.N * g.OH * g.OW}, {expected_cols}) for this "
+                         f"convolution; got ({rows}, {cols})")
+
+
 cdef ConvGeom make_geom(Py_ssize_t N, Py_ssize_t H, Py_ssize_t W, Py_ssize_t C,
                        kernel, stride, dilation, pad_before, out_hw) except *:
     cdef ConvGeom g
@@ -787,6 +796,7 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, y.shape[0], y.shape[1], w.shape[0], "y")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     cdef const real[::1] bias_view
@@ -813,6 +823,7 @@ def conv2d_grad_weight(const real[:, :, :, :] x, const real[:, :] dy, real[:, :]
     check_unit_stride(dw.shape[1], dw.strides[1], sizeof(real), "dw")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, dy.shape[0], dy.shape[1], dw.shape[0], "dy")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     cdef int status
@@ -832,6 +843,7 @@ def conv2d_grad_input(const real[:, :] dy, const real[:, :] w, real[:, :, :, :] 
     check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
     cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, dy.shape[0], dy.shape[1], w.shape[0], "dy")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
     cdef int status
@@ -849,6 +861,7 @@ def im2col(const real[:, :, :, :] x, real[:, ::1] cols,
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, cols.shape[0], cols.shape[1], g.KH * g.KW * g.C, "cols")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     with nogil:
@@ -861,6 +874,7 @@ def col2im(const real[:, ::1] cols, real[:, :, :, :] dx,
     check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
     cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, cols.shape[0], cols.shape[1], g.KH * g.KW * g.C, "cols")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
     with nogil:

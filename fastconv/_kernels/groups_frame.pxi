@@ -31,8 +31,9 @@ def conv2d_forward_groups(const real[:, :, :, :] x, const real[:, :] w, bias, re
         raise ValueError("flipped needs winograd and no packed weights")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], Cg,
                                 kernel, stride, dilation, pad_before, out_hw)
-    if winograd and (g.KH, g.KW, g.SH, g.SW, g.DH, g.DW) != (3, 3, 1, 1, 1, 1):
-        raise ValueError("winograd needs a 3x3 kernel, stride 1, dilation 1")
+    check_pixel_rows(&g, y.shape[0], y.shape[1], OCg * groups, "y")
+    if winograd and (g.KH, g.KW, g.SH, g.SW) != (3, 3, 1, 1):
+        raise ValueError("winograd needs a 3x3 kernel, stride 1")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     cdef const real[::1] bias_view
@@ -94,6 +95,7 @@ def conv2d_grad_input_groups(const real[:, :] dy, const real[:, :] w, real[:, :,
     cdef Py_ssize_t Cg = dx.shape[3] // groups, OCg = w.shape[0] // groups
     cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], Cg,
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, dy.shape[0], dy.shape[1], w.shape[0], "dy")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
     cdef Py_ssize_t rsdy = dy.strides[0] // item, rsw = w.strides[0] // item
@@ -123,6 +125,7 @@ def conv2d_grad_weight_groups(const real[:, :, :, :] x, const real[:, :] dy, rea
     cdef Py_ssize_t Cg = x.shape[3] // groups, OCg = dy.shape[1] // groups
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], Cg,
                                 kernel, stride, dilation, pad_before, out_hw)
+    check_pixel_rows(&g, dy.shape[0], dy.shape[1], dw.shape[0], "dy")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     cdef Py_ssize_t rsdy = dy.strides[0] // item, rsdw = dw.strides[0] // item

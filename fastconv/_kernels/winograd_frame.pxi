@@ -148,41 +148,79 @@ cdef inline Py_ssize_t wino_chunk_tiles(real dtype_tag, Py_ssize_t ldv, Py_ssize
     return min(n, tiles)
 
 
+cdef struct WinoTiling:
+    # 4x4 output tiles.  A dilated layer's outputs o = a + d*i of residue a
+    # form an undilated convolution of the input sub-grid of step d (taps
+    # d apart): tiles are cut per residue ("phase"), the window read and
+    # the tile written d pixels apart.  per_h x per_w tiles per phase, DH x
+    # DW phases per image; a phase with fewer outputs leaves its last tiles
+    # partly or wholly empty.
+    Py_ssize_t per_h, per_w, tiles_h, tiles_w
+
+
+cdef inline WinoTiling wino_tiling(const ConvGeom* g) noexcept nogil:
+    cdef WinoTiling t
+    t.per_h = cdiv(cdiv(g.OH, g.DH), WINO_TILE)
+    t.per_w = cdiv(cdiv(g.OW, g.DW), WINO_TILE)
+    t.tiles_h = g.DH * t.per_h
+    t.tiles_w = g.DW * t.per_w
+    return t
+
+
+cdef inline void wino_tile_origin(const ConvGeom* g, const WinoTiling* tl, Py_ssize_t tile,
+                                  Py_ssize_t* n, Py_ssize_t* oh, Py_ssize_t* ow) noexcept nogil:
+    # Image and first output pixel of a tile; its pixels are d apart.
+    n[0] = tile // (tl.tiles_h * tl.tiles_w)
+    cdef Py_ssize_t r = tile - n[0] * tl.tiles_h * tl.tiles_w
+    cdef Py_ssize_t th = r // tl.tiles_w, tw = r % tl.tiles_w
+    oh[0] = th // tl.per_h + g.DH * WINO_TILE * (th % tl.per_h)
+    ow[0] = tw // tl.per_w + g.DW * WINO_TILE * (tw % tl.per_w)
+
+
+cdef inline int window_span(Py_ssize_t i0, Py_ssize_t d, Py_ssize_t size, int* lo) noexcept nogil:
+    # Window positions r (input index i0 + d*r, r < WINO_WINDOW) inside
+    # [0, size): lo[0] .. the returned end (empty when end <= lo[0]).
+    lo[0] = <int>(cdiv(-i0, d) if i0 < 0 else 0)
+    if i0 >= size:
+        return 0
+    return <int>min(WINO_WINDOW, (size - 1 - i0) // d + 1)
+
+
 cdef void wino_input_tile(const ConvGeom* g, const real* x, ImageStrides xs,
-                          Py_ssize_t tile, Py_ssize_t tiles_h, Py_ssize_t tiles_w,
+                          const WinoTiling* tl, Py_ssize_t tile,
                           real* v, Py_ssize_t sv) noexcept nogil:
-    cdef Py_ssize_t n = tile // (tiles_h * tiles_w)
-    cdef Py_ssize_t r = tile - n * tiles_h * tiles_w
-    cdef Py_ssize_t ih0 = (r // tiles_w) * WINO_TILE - g.PT
-    cdef Py_ssize_t iw0 = (r % tiles_w) * WINO_TILE - g.PL
+    cdef Py_ssize_t n, oh, ow
+    wino_tile_origin(g, tl, tile, &n, &oh, &ow)
+    cdef Py_ssize_t ih0 = oh - g.PT, iw0 = ow - g.PL
     # The window rows r0..r1 and columns s0..s1 inside the image; img is
     # its first pixel there (no pointer outside the image is formed).
-    cdef int r0 = <int>max(0, -ih0), r1 = <int>min(WINO_WINDOW, g.H - ih0)
-    cdef int s0 = <int>max(0, -iw0), s1 = <int>min(WINO_WINDOW, g.W - iw0)
+    cdef int r0, s0
+    cdef int r1 = window_span(ih0, g.DH, g.H, &r0), s1 = window_span(iw0, g.DW, g.W, &s0)
     cdef const real* img = x + n * xs.n
     if r1 <= r0 or s1 <= s0:
         r0 = r1 = s0 = s1 = 0        # a window wholly in the padding
     else:
-        img = img + (ih0 + r0) * xs.h + (iw0 + s0) * xs.w
+        img = img + (ih0 + g.DH * r0) * xs.h + (iw0 + g.DW * s0) * xs.w
     if real is float:
-        fc_wino_input_f32(img, xs.h, xs.w, r0, r1, s0, s1, g.C, v, sv)
+        fc_wino_input_f32(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
     else:
-        fc_wino_input_f64(img, xs.h, xs.w, r0, r1, s0, s1, g.C, v, sv)
+        fc_wino_input_f64(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
 
 
 cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_ssize_t OC,
-                           const real* bias, int act, Py_ssize_t tile,
-                           Py_ssize_t tiles_h, Py_ssize_t tiles_w,
+                           const real* bias, int act, const WinoTiling* tl, Py_ssize_t tile,
                            real* y, Py_ssize_t rsy) noexcept nogil:
-    cdef Py_ssize_t n = tile // (tiles_h * tiles_w)
-    cdef Py_ssize_t r = tile - n * tiles_h * tiles_w
-    cdef Py_ssize_t oh = (r // tiles_w) * WINO_TILE, ow = (r % tiles_w) * WINO_TILE
-    cdef int rows = <int>min(WINO_TILE, g.OH - oh), cols = <int>min(WINO_TILE, g.OW - ow)
+    cdef Py_ssize_t n, oh, ow
+    wino_tile_origin(g, tl, tile, &n, &oh, &ow)
+    if oh >= g.OH or ow >= g.OW:
+        return                       # past the last output of a short phase
+    cdef int rows = <int>min(WINO_TILE, cdiv(g.OH - oh, g.DH))
+    cdef int cols = <int>min(WINO_TILE, cdiv(g.OW - ow, g.DW))
     cdef real* dst = y + ((n * g.OH + oh) * g.OW + ow) * rsy
     if real is float:
-        fc_wino_output_f32(m, sm, OC, bias, act, dst, g.OW * rsy, rsy, rows, cols)
+        fc_wino_output_f32(m, sm, OC, bias, act, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
     else:
-        fc_wino_output_f64(m, sm, OC, bias, act, dst, g.OW * rsy, rsy, rows, cols)
+        fc_wino_output_f64(m, sm, OC, bias, act, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
 
 
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -195,8 +233,8 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     # dilation 1.  prepacked: NULL or pack_winograd_weights' U.  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
-    cdef Py_ssize_t tiles_h = cdiv(g.OH, WINO_TILE), tiles_w = cdiv(g.OW, WINO_TILE)
-    cdef Py_ssize_t tiles = g.N * tiles_h * tiles_w
+    cdef WinoTiling tl = wino_tiling(g)
+    cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef int nt = threads_for(2.0 * WINO_POINTS * tiles * g.C * OC, max_threads)
     cdef WinoLayout lay
     cdef KBlock* blocks = wino_layout(<real>0, g.C, OC, &lay)
@@ -227,14 +265,13 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
         t0 = ci * chunk
         tc = min(chunk, tiles - t0)
         for t in prange(tc, num_threads=nt, schedule="static"):
-            wino_input_tile(g, x, xs, t0 + t, tiles_h, tiles_w, v + t * ldv, sv)
+            wino_input_tile(g, x, xs, &tl, t0 + t, v + t * ldv, sv)
         for p in prange(WINO_POINTS, num_threads=nt, schedule="static"):
             multiply_chunk(tc, blocks, lay.n_kb, OC, v + p * sv, ldv, 1,
                            upack + p * lay.point_size, lay.nc_blk, 0, 1,
                            m + p * sm, ldm, 0, NULL)
         for t in prange(tc, num_threads=nt, schedule="static"):
-            wino_output_tile(g, m + t * ldm, sm, OC, bias, act, t0 + t, tiles_h, tiles_w,
-                             y, rsy)
+            wino_output_tile(g, m + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
     aligned_free(v)
     aligned_free(m)
     if prepacked == NULL:
@@ -269,12 +306,12 @@ def pack_winograd_weights(const real[:, ::1] w, int num_threads):
 
 def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                     pad_before, out_hw, int num_threads, int activation=ACT_NONE,
-                    packed=None, bint flipped=False):
+                    packed=None, bint flipped=False, dilation=(1, 1)):
     """y = act(conv3x3(x, w) (+ bias)) by Winograd F(4x4, 3x3), stride 1,
-    dilation 1: x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC); packed None or
-    pack_winograd_weights(w).  flipped: w is (C, 3*3*OC), the weight of the
-    convolution whose input gradient this one is, used with its taps
-    reversed and channels swapped (no packed weights then)."""
+    any dilation (see WinoTiling): x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC);
+    packed None or pack_winograd_weights(w).  flipped: w is (C, 3*3*OC),
+    the weight of the convolution whose input gradient this one is, used
+    with its taps reversed and channels swapped (no packed weights then)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(y.shape[1], y.strides[1], sizeof(real), "y")
@@ -286,7 +323,10 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     if not flipped and w.shape[1] != 9 * x.shape[3]:
         raise ValueError(f"w must be (OC, 3*3*{x.shape[3]}); got {tuple(w.shape)[:2]}")
     cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
-                                (3, 3), (1, 1), (1, 1), pad_before, out_hw)
+                                (3, 3), (1, 1), dilation, pad_before, out_hw)
+    check_pixel_rows(&g, y.shape[0], y.shape[1], OC, "y")
+    if g.DH < 1 or g.DW < 1:
+        raise ValueError(f"dilation must be positive; got {dilation}")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
     cdef const real* bias_ptr = NULL
