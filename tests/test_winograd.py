@@ -183,7 +183,9 @@ def test_winograd_error_is_documented_size():
 
 def test_winograd_is_independent_of_the_thread_count(request):
     """Tiles and the 36 GEMMs are each computed whole by one thread, so the
-    result does not depend on how many there are, bit for bit."""
+    result does not depend on how many there are, bit for bit (these small
+    filters give each thread chunks of its own from 2 threads on; one
+    thread runs the shared-chunk loop)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 29, 31, 24)).astype(np.float32)
     w = rng.standard_normal((40, 3, 3, 24)).astype(np.float32)

@@ -39,6 +39,12 @@ cdef enum:
     WINO_POINTS = 36
     # Fewest tiles per chunk: U (36 x C x OC) is streamed once per chunk.
     WINO_MIN_TILES = 48
+    # Per-thread chunks (see winograd_forward_nogil): V + M of a chunk
+    # within half an L2, for filters of at most 4 MiB, which each thread
+    # then streams whole per chunk (256x256 channels, 9.4 MiB, measured
+    # better with shared chunks).
+    WINO_OWN_CHUNK_BYTES = 512 * 1024
+    WINO_OWN_MAX_U_BYTES = 4 * 1024 * 1024
 
 # Bytes of V and M per chunk: a budget a test can shrink to force many chunks.
 cdef Py_ssize_t wino_chunk_bytes = 2 * 1024 * 1024
@@ -249,9 +255,27 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
             free(blocks)
             return -1
     cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
-    cdef Py_ssize_t chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles)
-    cdef real* v = <real*>aligned_malloc(WINO_POINTS * chunk * ldv * sizeof(real))
-    cdef real* m = <real*>aligned_malloc(WINO_POINTS * chunk * ldm * sizeof(real))
+    cdef Py_ssize_t per_tile = WINO_POINTS * (ldv + ldm) * <Py_ssize_t>sizeof(real)
+    # Small filters (U <= 4 MiB: up to 128x128 channels): each thread takes
+    # whole chunks of its own, sized to stay in its L2, and transforms,
+    # multiplies and writes back its tiles alone.  Shared chunks (threads
+    # split a chunk's tiles, then its points) move half of V and M between
+    # the cores' caches, and their V stores -- 36 streams per tile -- miss
+    # L2: the input transform took a third of 64->64 @56.  Large filters
+    # keep shared chunks: there each thread streams only its points' U.
+    cdef Py_ssize_t chunk = min(min(wino_chunk_bytes, WINO_OWN_CHUNK_BYTES) // per_tile, tiles)
+    chunk = max(1, chunk)
+    cdef Py_ssize_t n_own = cdiv(cdiv(tiles, chunk), nt) * nt
+    cdef bint own_chunks = (nt > 1 and n_own <= tiles and
+                            WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real)
+                            <= WINO_OWN_MAX_U_BYTES)
+    cdef int n_bufs = nt if own_chunks else 1
+    if own_chunks:
+        chunk = cdiv(tiles, n_own)       # equal chunks, a multiple of the threads
+    else:
+        chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles)
+    cdef real* v = <real*>aligned_malloc(n_bufs * WINO_POINTS * chunk * ldv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(n_bufs * WINO_POINTS * chunk * ldm * sizeof(real))
     if v == NULL or m == NULL:
         aligned_free(v)
         aligned_free(m)
@@ -261,17 +285,34 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
         return -1
     cdef Py_ssize_t sv = chunk * ldv, sm = chunk * ldm
     cdef Py_ssize_t ci, t0, tc, t, p
-    for ci in range(cdiv(tiles, chunk)):
-        t0 = ci * chunk
-        tc = min(chunk, tiles - t0)
-        for t in prange(tc, num_threads=nt, schedule="static"):
-            wino_input_tile(g, x, xs, &tl, t0 + t, v + t * ldv, sv)
-        for p in prange(WINO_POINTS, num_threads=nt, schedule="static"):
-            multiply_chunk(tc, blocks, lay.n_kb, OC, v + p * sv, ldv, 1,
-                           upack + p * lay.point_size, lay.nc_blk, 0, 1,
-                           m + p * sm, ldm, 0, NULL)
-        for t in prange(tc, num_threads=nt, schedule="static"):
-            wino_output_tile(g, m + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
+    cdef real* vt
+    cdef real* mt
+    if own_chunks:
+        for ci in prange(cdiv(tiles, chunk), num_threads=nt, schedule="static"):
+            vt = v + threadid() * WINO_POINTS * sv
+            mt = m + threadid() * WINO_POINTS * sm
+            t0 = ci * chunk
+            tc = min(chunk, tiles - t0)
+            for t in range(tc):
+                wino_input_tile(g, x, xs, &tl, t0 + t, vt + t * ldv, sv)
+            for p in range(WINO_POINTS):
+                multiply_chunk(tc, blocks, lay.n_kb, OC, vt + p * sv, ldv, 1,
+                               upack + p * lay.point_size, lay.nc_blk, 0, 1,
+                               mt + p * sm, ldm, 0, NULL)
+            for t in range(tc):
+                wino_output_tile(g, mt + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
+    else:
+        for ci in range(cdiv(tiles, chunk)):
+            t0 = ci * chunk
+            tc = min(chunk, tiles - t0)
+            for t in prange(tc, num_threads=nt, schedule="static"):
+                wino_input_tile(g, x, xs, &tl, t0 + t, v + t * ldv, sv)
+            for p in prange(WINO_POINTS, num_threads=nt, schedule="static"):
+                multiply_chunk(tc, blocks, lay.n_kb, OC, v + p * sv, ldv, 1,
+                               upack + p * lay.point_size, lay.nc_blk, 0, 1,
+                               m + p * sm, ldm, 0, NULL)
+            for t in prange(tc, num_threads=nt, schedule="static"):
+                wino_output_tile(g, m + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
     aligned_free(v)
     aligned_free(m)
     if prepacked == NULL:
