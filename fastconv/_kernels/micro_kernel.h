@@ -177,6 +177,36 @@
         }                                                                       \
     }
 
+/* at[j*ldt + i] = a[i*rsa + j] for a block of rows i0..i1 (at most TB)
+ * and columns j0..j1 (at most TB): both sides move whole cache lines, the
+ * transpose itself happens in an L1 tile (the same idea as the B pack). */
+#define FC_DEFINE_TRANSPOSE_BLOCK(SUFFIX, T)                                    \
+    enum { FC_TB_##SUFFIX = 64 / sizeof(T) };                                   \
+    static inline void fc_transpose_block_##SUFFIX(                             \
+        ptrdiff_t i0, ptrdiff_t i1, ptrdiff_t j0, ptrdiff_t j1,                 \
+        const T *a, ptrdiff_t rsa, T *restrict at, ptrdiff_t ldt)               \
+    {                                                                           \
+        enum { TB = FC_TB_##SUFFIX };                                           \
+        T tile[TB][TB];                                                         \
+        ptrdiff_t ni = i1 - i0, nj = j1 - j0;                                   \
+        if (nj == TB)        /* a fixed size: one vector load, not a call */    \
+            for (ptrdiff_t i = 0; i < ni; i++)                                  \
+                memcpy(tile[i], a + (i0 + i) * rsa + j0, sizeof tile[i]);       \
+        else                                                                    \
+            for (ptrdiff_t i = 0; i < ni; i++)                                  \
+                memcpy(tile[i], a + (i0 + i) * rsa + j0, nj * sizeof(T));       \
+        if (ni == TB) {                                                         \
+            for (ptrdiff_t j = 0; j < nj; j++) {                                \
+                T *d = at + (j0 + j) * ldt + i0;                                \
+                FC_UNROLL for (int i = 0; i < TB; i++) d[i] = tile[i][j];       \
+            }                                                                   \
+        } else {                                                                \
+            for (ptrdiff_t j = 0; j < nj; j++)                                  \
+                for (ptrdiff_t i = 0; i < ni; i++)                              \
+                    at[(j0 + j) * ldt + i0 + i] = tile[i][j];                   \
+        }                                                                       \
+    }
+
 #if FC_S_MR > 16 || FC_D_MR > 16
 #error "micro-kernels exist for at most 16 rows"
 #endif
@@ -185,6 +215,8 @@ FC_DEFINE_MICRO_KERNELS(f64, double, FC_D_NR)
 FC_DEFINE_DOT(f32, float)
 FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
+FC_DEFINE_TRANSPOSE_BLOCK(f32, float)
+FC_DEFINE_TRANSPOSE_BLOCK(f64, double)
 FC_DEFINE_DOT(f64, double)
 
 #endif

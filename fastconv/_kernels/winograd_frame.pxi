@@ -77,17 +77,27 @@ cdef KBlock* wino_layout(real dtype_tag, Py_ssize_t C, Py_ssize_t OC,
     return blocks
 
 
+cdef extern from "micro_kernel.h":
+    void fc_transpose_block_f32(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
+                                const float* a, Py_ssize_t rsa, float* at,
+                                Py_ssize_t ldt) noexcept nogil
+    void fc_transpose_block_f64(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
+                                const double* a, Py_ssize_t rsa, double* at,
+                                Py_ssize_t ldt) noexcept nogil
+
+
 cdef void transpose_into(Py_ssize_t rows, Py_ssize_t cols, const real* a, Py_ssize_t rsa,
                          real* at, int nt) noexcept nogil:
-    # at (cols x rows, contiguous) = a.T, in 32 x 32 blocks so that both
-    # sides stream whole cache lines.
-    cdef Py_ssize_t B = 32, nbc = cdiv(cols, 32), blk, i0, j0, i, j
+    # at (cols x rows, contiguous) = a.T, in blocks of one cache line each
+    # way, transposed in L1.
+    cdef Py_ssize_t B = 64 // sizeof(real), nbc = cdiv(cols, B), blk, i0, j0
     for blk in prange(cdiv(rows, B) * nbc, num_threads=nt, schedule="static"):
         i0 = (blk // nbc) * B
         j0 = (blk % nbc) * B
-        for j in range(j0, min(cols, j0 + B)):
-            for i in range(i0, min(rows, i0 + B)):
-                at[j * rows + i] = a[i * rsa + j]
+        if real is float:
+            fc_transpose_block_f32(i0, min(rows, i0 + B), j0, min(cols, j0 + B), a, rsa, at, rows)
+        else:
+            fc_transpose_block_f64(i0, min(rows, i0 + B), j0, min(cols, j0 + B), a, rsa, at, rows)
 
 
 cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
@@ -105,7 +115,7 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # transposed to (tap, c, OC) first.  Returns -1 when out of memory.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
-    cdef Py_ssize_t kc_blk = blocks[0].kc, kc_max = max_block_depth(blocks, lay.n_kb)
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, lay.n_kb)
     cdef real* wt = NULL
     # Filter of (c, oc) tap t at src + c*src_c + oc + t*src_t.
     cdef const real* src = w + 8 * OC
@@ -120,25 +130,34 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
         # The columns past OC of the last panels multiply into discarded
         # accumulators; zeros keep NaN and subnormals out of them.
         memset(dst, 0, WINO_POINTS * lay.point_size * sizeof(real))
-    cdef Py_ssize_t n_vec = OC // VL, c, kb, j, oc, jb, off
-    for c in prange(C, num_threads=nt, schedule="static"):
-        kb = c // kc_blk
-        # n_vec vectors of VL output channels, then the tail one by one.
-        for j in range(n_vec + OC % VL):
-            oc = j * VL if j < n_vec else n_vec * VL + (j - n_vec)
-            jb = oc // lay.nc_blk
-            off = ((jb * lay.n_kb + kb) * kc_max * lay.nc_blk
-                   + (oc - jb * lay.nc_blk) // NR * NR * blocks[kb].kc
-                   + (c - blocks[kb].k0) * NR + oc % NR)
-            if j < n_vec:
-                if real is float:
-                    fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+    # One task per (NR panel, k-block): its rows of each point's packed
+    # matrix are written in order, 36 sequential streams.  Walking c
+    # outermost instead scattered every store over 36 x (OC/NR) panels,
+    # each a write-allocate miss (half of a per-call 256x256 layer).
+    cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off
+    for task in prange(n_panels * lay.n_kb, num_threads=nt, schedule="static"):
+        jp = task // lay.n_kb
+        kb = task % lay.n_kb
+        oc_end = min(OC, (jp + 1) * NR)
+        for c in range(blocks[kb].k0, blocks[kb].k0 + blocks[kb].kc):
+            oc = jp * NR
+            while oc < oc_end:
+                jb = oc // lay.nc_blk
+                off = ((jb * lay.n_kb + kb) * kc_max * lay.nc_blk
+                       + (oc - jb * lay.nc_blk) // NR * NR * blocks[kb].kc
+                       + (c - blocks[kb].k0) * NR + oc % NR)
+                if oc + VL <= oc_end:
+                    if real is float:
+                        fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    else:
+                        fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    oc = oc + VL
                 else:
-                    fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
-            elif real is float:
-                fc_wino_filter1_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
-            else:
-                fc_wino_filter1_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    if real is float:
+                        fc_wino_filter1_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    else:
+                        fc_wino_filter1_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    oc = oc + 1
     aligned_free(wt)
     return 0
 
