@@ -772,6 +772,75 @@ def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):
     assert_close(y_t, ref_t, dtype, taps * C, "transposed output")
 
 
+# ------------------------------------------------------ narrow-group kernels
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("N, H, W, G, KG, k, s, d, p", [
+    (2, 12, 29, 32, 4, 3, 1, 1, 1),     # ResNeXt-like: full pixel blocks and border pixels
+    (1, 9, 11, 3, 4, 3, 1, 1, 1),       # 12 channels: a partial vector (float32 AVX-512)
+    (1, 9, 7, 5, 2, 3, 2, 1, 1),        # strided, 10 channels
+    (2, 10, 13, 2, 8, 5, 1, 2, 2),      # 5x5, dilated
+    (1, 6, 20, 2, 16, 3, 1, 1, 1),      # 16-wide groups: broadcast inputs
+    (1, 7, 6, 4, 16, 1, 1, 1, 0),       # 1x1, 64 channels
+    (1, 8, 9, 3, 8, 3, 3, 1, 0),        # stride = kernel: windows do not overlap
+    (1, 6, 6, 2, 4, 3, 1, 1, 3),        # padding past the kernel's reach (stride-1 input
+                                        # gradient by the generic path)
+    (1, 3, 2, 2, 2, 1, 2, 1, 0),        # stride > kernel
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_narrow_group_kernels_match_torch(isa, N, H, W, G, KG, k, s, d, p, dtype):
+    """Groups of KG in and KG out channels run the narrow-group direct
+    kernels (auto picks them; forward with bias and activation, both
+    gradients, the transposed convolution) under every ISA build: against
+    float64 torch."""
+    rng = np.random.default_rng(N * 1000 + W * 10 + G * KG)
+    C = G * KG
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((C, k, k, KG)).astype(dtype)
+    b = rng.standard_normal(C).astype(dtype)
+    kwargs = dict(stride=s, dilation=d, padding=p, groups=G)
+    geo = fastconv.conv._Geometry((k, k), (s, s), (d, d), (p, p), (1, 1))
+    assert fastconv.conv._choose_algorithm("auto", G, C, C, N, geo, (H, W)) == "direct"
+    taps = k * k * KG
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, b, **kwargs)
+        y_relu6 = conv2d(x, w, b, **kwargs, algorithm="direct", activation="relu6")
+        dy = rng.standard_normal(y.shape).astype(dtype)
+        gx, gw, gb = conv2d_backward(dy, x, w, **kwargs)
+        w_t = rng.standard_normal((C, k, k, KG)).astype(dtype)    # (C_in, KH, KW, C_out/groups)
+        y_t = conv_transpose2d(x, w_t, None, stride=s, padding=p, groups=G, dilation=d)
+    ref_y, ref_gx, ref_gw, ref_gb = torch_grads(x, w, b, dy, **kwargs)
+    assert_close(y, ref_y, dtype, taps, "output")
+    assert_close(y_relu6, np.clip(ref_y, 0, 6), dtype, taps, "relu6 output",
+                 np.abs(ref_y).max())
+    assert_close(gx, ref_gx, dtype, taps, "grad_input")
+    assert_close(gw, ref_gw, dtype, dy.size // dy.shape[3], "grad_weight")
+    assert_close(gb, ref_gb, dtype, dy.size // dy.shape[3], "grad_bias")
+    ref_t = F.conv_transpose2d(torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64)),
+                               torch.from_numpy(w_t.transpose(0, 3, 1, 2).astype(np.float64)),
+                               None, stride=s, padding=p, groups=G, dilation=d)
+    assert_close(y_t, ref_t.numpy().transpose(0, 2, 3, 1), dtype, taps, "transposed output")
+
+
+def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
+    """The kernel entry points check their operands' shapes themselves."""
+    k = fastconv._dispatch.kernels
+    x = np.zeros((1, 5, 5, 12), np.float32)
+    y = np.zeros((1, 5, 5, 12), np.float32)
+    args = ((3, 3), (1, 1), (1, 1), (1, 1), 1)
+    with pytest.raises(ValueError, match="not built for groups of 3"):
+        k.grouped_direct_forward(x, np.zeros((3, 3, 3, 12), np.float32), None, y, *args)
+    with pytest.raises(ValueError, match="output channels"):
+        k.grouped_direct_forward(x, np.zeros((3, 3, 4, 12), np.float32), None,
+                                 np.zeros((1, 5, 5, 8), np.float32), *args)
+    with pytest.raises(ValueError, match="w must be"):
+        k.grouped_direct_forward(x, np.zeros((3, 3, 4, 8), np.float32), None, y, *args)
+    with pytest.raises(ValueError, match="bias"):
+        k.grouped_direct_forward(x, np.zeros((3, 3, 4, 12), np.float32),
+                                 np.zeros(8, np.float32), y, *args)
+    assert not k.grouped_direct_supports(4, 65) and not k.grouped_direct_supports(32, 3)
+
+
 # ------------------------------------------------------- implicit GEMM paths
 
 @pytest.mark.parametrize("N, H, W, C, OC, k, s, d, p", [
@@ -844,6 +913,8 @@ def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, al
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "gemm1x1", "1x1"),
     ((1, 5, 5, 4), (4, 1, 1, 4), dict(stride=2), "gemm1x1", "stride 1"),
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "direct", "groups == C"),
+    ((1, 5, 5, 12), (6, 3, 3, 4), dict(groups=3), "direct", "as many output channels"),
+    ((1, 5, 5, 12), (12, 3, 3, 3), dict(groups=4), "direct", "2, 4, 8 or 16"),
     ((1, 5, 5, 4), (4, 3, 3, 4), dict(stride=2), "winograd", "stride 1"),
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "fft", "algorithm"),
 ])

@@ -529,8 +529,11 @@ def geometry(draw, modes=True):
         chance(draw, 0.01) else "gelu"
     # Mostly give a forced algorithm the shape it needs.
     if g["algorithm"] == "direct" and not chance(draw, 0.2):
+        # Depthwise, or narrow groups (as many outputs as inputs per group).
         g["Cg"], g["groups"] = 1, max(groups, 2)
         g["groups_n"] = g["groups"]
+        if chance(draw, 0.5):
+            g["Cg"] = g["OCg"] = draw(st.sampled_from([2, 4]))
     if g["algorithm"] == "winograd" and not chance(draw, 0.2):
         g["K"], g["stride"], g["dilation"] = (3, 3), 1, 1
         g["H"], g["W"] = (draw(st.integers(0, 9)) for _ in "HW")
@@ -781,8 +784,10 @@ def _conv_model(g, x_spec, w_spec, bias_spec):
         raise Invalid("activation")
     algorithm = m_choice(g.get("algorithm", "auto"), ("auto", "implicit", "im2col", "gemm1x1",
                                                        "direct", "winograd"))
-    if algorithm == "direct" and not (groups == C and C > 1):
-        raise Invalid("direct needs depthwise")
+    narrow_groups = (groups > 1 and C == OC and C // groups in (2, 4, 8, 16)
+                     and g["K"][0] <= 64)
+    if algorithm == "direct" and not (groups == C and C > 1 or narrow_groups):
+        raise Invalid("direct needs depthwise or narrow groups")
     if algorithm == "gemm1x1" and not (g["K"] == (1, 1) and stride == (1, 1) and (
             mode != "zeros" or pads == ((0, 0), (0, 0)))):
         raise Invalid("gemm1x1 needs a pointwise convolution")

@@ -140,3 +140,169 @@ def conv2d_grad_weight_groups(const real[:, :, :, :] x, const real[:, :] dy, rea
                                              dwp + gi * OCg * rsdw, rsdw, 1) != 0
     if failed:
         raise MemoryError("conv2d_backward: could not allocate a group's workspace")
+
+
+# Narrow groups (KG = 2, 4, 8 or 16 input and output channels per group:
+# ResNeXt's 4 and 8) run as one direct convolution over
+# all groups at once, output channels the vector axis (grouped_kernel.h).
+# Threads split output rows; the weight gradient sums into per-thread
+# partials, as the depthwise one does.
+
+cdef extern from "grouped_kernel.h":
+    int fc_grouped_row_f32(const float* const* rows, Py_ssize_t KH, Py_ssize_t KW,
+                           Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C, Py_ssize_t KG,
+                           Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
+                           Py_ssize_t lo, Py_ssize_t hi, const float* w, const float* bias,
+                           int act, float* y) noexcept nogil
+    int fc_grouped_row_f64(const double* const* rows, Py_ssize_t KH, Py_ssize_t KW,
+                           Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C, Py_ssize_t KG,
+                           Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
+                           Py_ssize_t lo, Py_ssize_t hi, const double* w, const double* bias,
+                           int act, double* y) noexcept nogil
+    int fc_grouped_grad_weight_row_f32(const float* const* rows, Py_ssize_t KH, Py_ssize_t KW,
+                                       Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C,
+                                       Py_ssize_t KG, Py_ssize_t OW, Py_ssize_t SW,
+                                       Py_ssize_t DW, Py_ssize_t PL, const float* dy,
+                                       float* dw) noexcept nogil
+    int fc_grouped_grad_weight_row_f64(const double* const* rows, Py_ssize_t KH, Py_ssize_t KW,
+                                       Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C,
+                                       Py_ssize_t KG, Py_ssize_t OW, Py_ssize_t SW,
+                                       Py_ssize_t DW, Py_ssize_t PL, const double* dy,
+                                       double* dw) noexcept nogil
+    bint fc_grouped_width_supported(Py_ssize_t KG) noexcept nogil
+
+
+cdef enum:
+    # Kernel rows the direct kernels take (their row pointers live on the stack).
+    MAX_GROUPED_KERNEL_ROWS = 64
+
+
+def grouped_direct_supports(Py_ssize_t width, Py_ssize_t kernel_rows):
+    """Whether the narrow-group kernels are built for groups of `width`
+    input and output channels (2, 4, 8 or 16) and a kernel this tall."""
+    return kernel_rows <= MAX_GROUPED_KERNEL_ROWS and bool(fc_grouped_width_supported(width))
+
+
+cdef void grouped_row_pointers(const ConvGeom* g, const real* x, ImageStrides xs,
+                               Py_ssize_t row, const real** rows) noexcept nogil:
+    # Output row `row` (= n*OH + oh): its kernel rows' input rows, NULL
+    # where outside the image.
+    cdef Py_ssize_t n = row // g.OH, oh = row % g.OH, kh, ih
+    for kh in range(g.KH):
+        ih = oh * g.SH - g.PT + kh * g.DH
+        rows[kh] = x + n * xs.n + ih * xs.h if 0 <= ih < g.H else NULL
+
+
+cdef inline int grouped_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                            Py_ssize_t KG, Py_ssize_t lo, Py_ssize_t hi, const real* w,
+                            const real* bias, int act, real* y, Py_ssize_t row) noexcept nogil:
+    cdef const real* rows[MAX_GROUPED_KERNEL_ROWS]
+    grouped_row_pointers(g, x, xs, row, rows)
+    if real is float:
+        return fc_grouped_row_f32(rows, g.KH, g.KW, xs.w, g.W, g.C, KG, g.OW, g.SW, g.DW,
+                                  g.PL, lo, hi, w, bias, act, y + row * g.OW * g.C)
+    else:
+        return fc_grouped_row_f64(rows, g.KH, g.KW, xs.w, g.W, g.C, KG, g.OW, g.SW, g.DW,
+                                  g.PL, lo, hi, w, bias, act, y + row * g.OW * g.C)
+
+
+cdef inline int grouped_grad_weight_row(const ConvGeom* g, const real* x, ImageStrides xs,
+                                        Py_ssize_t KG, const real* dy, real* dw,
+                                        Py_ssize_t row) noexcept nogil:
+    cdef const real* rows[MAX_GROUPED_KERNEL_ROWS]
+    grouped_row_pointers(g, x, xs, row, rows)
+    if real is float:
+        return fc_grouped_grad_weight_row_f32(rows, g.KH, g.KW, xs.w, g.W, g.C, KG, g.OW,
+                                              g.SW, g.DW, g.PL, dy + row * g.OW * g.C, dw)
+    else:
+        return fc_grouped_grad_weight_row_f64(rows, g.KH, g.KW, xs.w, g.W, g.C, KG, g.OW,
+                                              g.SW, g.DW, g.PL, dy + row * g.OW * g.C, dw)
+
+
+cdef ConvGeom grouped_geom(x_shape, Py_ssize_t C_out, Py_ssize_t KG, kernel, stride, dilation,
+                           pad_before, out_hw) except *:
+    # g.C is all C channels here (the kernels see every group at once).
+    if x_shape[3] != C_out:
+        raise ValueError(f"the narrow-group kernels need as many output channels as input "
+                         f"channels ({x_shape[3]}); got {C_out}")
+    if KG < 1 or x_shape[3] % KG:
+        raise ValueError(f"group width {KG} does not divide the {x_shape[3]} channels")
+    if not grouped_direct_supports(KG, kernel[0]):
+        raise ValueError(f"the narrow-group kernels are not built for groups of {KG} "
+                         f"channels with {kernel[0]} kernel rows")
+    return make_geom(x_shape[0], x_shape[1], x_shape[2], x_shape[3], kernel, stride, dilation,
+                     pad_before, out_hw)
+
+
+def grouped_direct_forward(const real[:, :, :, :] x, const real[:, :, :, ::1] w, bias,
+                           real[:, :, :, ::1] y, kernel, stride, dilation, pad_before,
+                           int num_threads, int activation=ACT_NONE):
+    """y (N, OH, OW, C) = the grouped convolution of NHWC x (C channels in
+    groups of KG) with w (KH, KW, KG, C) (see grouped_kernel.h), + bias
+    (None or a contiguous (C,) array), then the activation."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    cdef Py_ssize_t KG = w.shape[2]
+    if (w.shape[0], w.shape[1], w.shape[3]) != (kernel[0], kernel[1], x.shape[3]):
+        raise ValueError("w must be (KH, KW, group width, C)")
+    cdef ConvGeom g = grouped_geom(x.shape, y.shape[3], KG, kernel, stride, dilation,
+                                   pad_before, (y.shape[1], y.shape[2]))
+    if y.shape[0] != g.N:
+        raise ValueError("y must have x's batch size")
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef const real[::1] bias_view
+    cdef const real* bias_ptr = NULL
+    if bias is not None:
+        bias_view = bias
+        if bias_view.shape[0] != g.C:
+            raise ValueError(f"bias must be ({g.C},)")
+        bias_ptr = &bias_view[0]
+    # Interior pixels: the first and the last tap column inside the image.
+    cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
+    cdef RowRange last = valid_outputs(g.W, g.OW, (g.KW - 1) * g.DW - g.PL, g.SW)
+    cdef Py_ssize_t lo = max(first.lo, last.lo)
+    cdef Py_ssize_t hi = max(lo, min(first.hi, last.hi))
+    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * g.C * g.KH * g.KW * KG, num_threads)
+    cdef const real* xp = &x[0, 0, 0, 0]
+    cdef const real* wp = &w[0, 0, 0, 0]
+    cdef real* yp = &y[0, 0, 0, 0]
+    cdef Py_ssize_t row
+    with nogil:
+        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+            grouped_row(&g, xp, xs, KG, lo, hi, wp, bias_ptr, activation, yp, row)
+
+
+def grouped_direct_grad_weight(const real[:, :, :, :] x, const real[:, :, :, ::1] dy,
+                               real[:, :, :, ::1] dw, kernel, stride, dilation, pad_before,
+                               int num_threads):
+    """dw (KH, KW, KG, C) = the weight gradient of grouped_direct_forward
+    for output gradient dy (N, OH, OW, C)."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    cdef Py_ssize_t KG = dw.shape[2]
+    if (dw.shape[0], dw.shape[1], dw.shape[3]) != (kernel[0], kernel[1], x.shape[3]):
+        raise ValueError("dw must be (KH, KW, group width, C)")
+    cdef ConvGeom g = grouped_geom(x.shape, dy.shape[3], KG, kernel, stride, dilation,
+                                   pad_before, (dy.shape[1], dy.shape[2]))
+    if dy.shape[0] != g.N:
+        raise ValueError("dy must have x's batch size")
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef Py_ssize_t taps = g.KH * g.KW * KG * g.C
+    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * taps, num_threads)
+    cdef real* partials = <real*>aligned_malloc(nt * taps * sizeof(real))
+    if partials == NULL:
+        raise MemoryError("grouped grad weight: could not allocate per-thread partials")
+    cdef const real* xp = &x[0, 0, 0, 0]
+    cdef const real* dyp = &dy[0, 0, 0, 0]
+    cdef real* dwp = &dw[0, 0, 0, 0]
+    cdef Py_ssize_t row, i, t
+    with nogil:
+        memset(partials, 0, nt * taps * sizeof(real))
+        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+            grouped_grad_weight_row(&g, xp, xs, KG, dyp, partials + threadid() * taps, row)
+        for i in range(taps):
+            dwp[i] = partials[i]
+        for t in range(1, nt):
+            for i in range(taps):
+                dwp[i] += partials[t * taps + i]
+    aligned_free(partials)
