@@ -17,7 +17,9 @@ roles swapped.
 Grouped convolutions run one kernel call per group on strided views
 (channel slices of x, row blocks of w2d, column blocks of the output), or,
 with at least as many groups as threads, one call that runs whole groups
-on separate threads.
+on separate threads.  Narrow groups (2-16 channels in and out) and
+depthwise layers skip the GEMMs: direct kernels vectorised over channels
+run every group at once.
 
 NCHW results are NCHW-shaped views of NHWC memory (PyTorch's channels_last):
 feeding one into the next NCHW call needs no copy.
@@ -174,8 +176,8 @@ def _groups_in_parallel(groups, nt):
     """Whether the kernels should run whole groups on separate threads (one
     parallel region for the layer) rather than the groups one after another,
     each split across all threads: when there are at least as many groups
-    as threads (ResNeXt-style 32 groups of 4-8 channels: each group alone is
-    too little work to split)."""
+    as threads (many small groups: each alone is too little work to split;
+    the narrowest, up to 16 channels in and out, take the direct kernel)."""
     return groups > 1 and groups >= nt
 
 

@@ -6,7 +6,8 @@
 # many groups as threads, each thread takes whole groups (each run with one
 # thread inside): one parallel region for the layer instead of `groups`
 # small ones, each of which would be too little work to split (ResNeXt's
-# 32 groups of 4 channels ran on one core that way).
+# 32 groups of 4 channels ran on one core that way; those now take the
+# narrow-group kernels at the end of this file).
 
 cdef int group_threads(int groups, int num_threads) noexcept nogil:
     return max(1, min(groups, num_threads))
