@@ -749,7 +749,9 @@ def _same_specials(got, ref):
     (4, dict(groups=4, padding=1)),               # depthwise, multiplier 1
     (8, dict(groups=4, padding=1)),               # depthwise, multiplier 2
     (8, dict(groups=2, padding=1)),               # grouped GEMM
-], ids=["gemm", "strided-dilated", "valid", "pointwise", "depthwise", "depthwise-x2", "groups"])
+    (4, dict(groups=2, padding=1)),               # narrow groups: 2 in, 2 out
+], ids=["gemm", "strided-dilated", "valid", "pointwise", "depthwise", "depthwise-x2", "groups",
+        "narrow-groups"])
 def test_nan_and_inf_propagate_like_pytorch(dtype, oc, case):
     """NaN, +inf and -inf in the input (and in the weights, where no tap
     reads padding) give NaN/inf exactly where PyTorch does, forward and
@@ -796,6 +798,26 @@ def test_nan_and_inf_propagate_like_pytorch(dtype, oc, case):
     w2[1, 0, 0, 0] = np.nan
     w2[3, k - 1, k // 2, 0] = np.inf
     _same_specials(fastconv.conv2d(xf, w2, **kw), _torch_conv(xf, w2, **kw))
+
+
+@pytest.mark.parametrize("algorithm, groups, oc", [
+    ("implicit", 1, 8), ("direct", 4, 4), ("direct", 2, 4)],
+    ids=["implicit", "depthwise", "narrow-groups"])
+@pytest.mark.parametrize("activation", ["relu", "relu6"])
+def test_fused_activation_keeps_nan_like_pytorch(algorithm, groups, oc, activation):
+    """The fused relu/relu6 epilogues replace only values below 0 (above
+    6): a NaN output stays NaN, as torch.relu leaves it.  (Winograd is left
+    out: a NaN there spreads over its whole 4x4 output tile, as documented.)"""
+    rng = np.random.default_rng(6)
+    x = (4 * rng.standard_normal((1, 7, 6, 4))).astype(np.float32)
+    w = rng.standard_normal((oc, 3, 3, 4 // groups)).astype(np.float32)
+    x[0, 2, 3, :] = np.nan
+    y = fastconv.conv2d(x, w, padding=1, groups=groups, algorithm=algorithm,
+                        activation=activation)
+    ref = torch.from_numpy(_torch_conv(x, w, padding=1, groups=groups))
+    ref = (F.relu if activation == "relu" else F.relu6)(ref).numpy()
+    assert np.isnan(ref).any() and (ref == 0).any()
+    _same_specials(y, ref)
 
 
 def test_nan_and_inf_in_conv_transpose2d_like_pytorch():

@@ -79,15 +79,16 @@
     FC_G_INLINE fc_gvec_##SUFFIX fc_g_activate_##SUFFIX(fc_gvec_##SUFFIX v,    \
                                                         int act)               \
     {                                                                          \
-        /* act 1: relu, 2: relu6 (the kernels' ACT_* codes). */                \
+        /* act 1: relu, 2: relu6 (the kernels' ACT_* codes); NaN stays NaN,  \
+           as in torch (only v < 0 and v > 6 are replaced). */                 \
         if (act) {                                                             \
             fc_gvec_##SUFFIX zero = {0}, six = zero + 6;                       \
-            v = (fc_gvec_##SUFFIX)((fc_gidx_##SUFFIX)(v > zero)                \
+            v = (fc_gvec_##SUFFIX)(~(fc_gidx_##SUFFIX)(v < zero)               \
                                    & (fc_gidx_##SUFFIX)v);                     \
             if (act == 2) {                                                    \
-                fc_gidx_##SUFFIX lt = (fc_gidx_##SUFFIX)(v < six);             \
-                v = (fc_gvec_##SUFFIX)((lt & (fc_gidx_##SUFFIX)v)              \
-                                       | (~lt & (fc_gidx_##SUFFIX)six));       \
+                fc_gidx_##SUFFIX gt = (fc_gidx_##SUFFIX)(v > six);             \
+                v = (fc_gvec_##SUFFIX)((gt & (fc_gidx_##SUFFIX)six)            \
+                                       | (~gt & (fc_gidx_##SUFFIX)v));         \
             }                                                                  \
         }                                                                      \
         return v;                                                              \
