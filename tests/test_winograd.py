@@ -88,6 +88,20 @@ def chunking(request):
     return request.param
 
 
+def check_whole_and_one_tile_chunks(isa, x, w, b, padding, groups, dilation=(1, 1)):
+    """check_against_direct under ISA build `isa`, with the default chunk
+    budget and with one tile per chunk (every chunk boundary exercised)."""
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        for budget in (None, 1):
+            if budget is not None:
+                previous = kernels.set_winograd_chunk_bytes(budget)
+            try:
+                check_against_direct(x, w, b, padding, groups, dilation=dilation)
+            finally:
+                if budget is not None:
+                    kernels.set_winograd_chunk_bytes(previous)
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("shape, padding, groups", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -97,15 +111,7 @@ def test_winograd_matches_reference(isa, shape, padding, groups, dtype):
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
     b = rng.standard_normal(OC).astype(dtype)
-    with fastconv._dispatch.use_isa(isa) as kernels:
-        for budget in (None, 1):
-            if budget is not None:
-                previous = kernels.set_winograd_chunk_bytes(budget)
-            try:
-                check_against_direct(x, w, b, padding, groups)
-            finally:
-                if budget is not None:
-                    kernels.set_winograd_chunk_bytes(previous)
+    check_whole_and_one_tile_chunks(isa, x, w, b, padding, groups)
 
 
 DILATED_CASES = [
@@ -131,15 +137,7 @@ def test_dilated_winograd_matches_reference(isa, shape, padding, dilation, group
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C // groups)).astype(dtype)
     b = rng.standard_normal(OC).astype(dtype)
-    with fastconv._dispatch.use_isa(isa) as kernels:
-        for budget in (None, 1):
-            if budget is not None:
-                previous = kernels.set_winograd_chunk_bytes(budget)
-            try:
-                check_against_direct(x, w, b, padding, groups, dilation=dilation)
-            finally:
-                if budget is not None:
-                    kernels.set_winograd_chunk_bytes(previous)
+    check_whole_and_one_tile_chunks(isa, x, w, b, padding, groups, dilation)
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "relu6"])
