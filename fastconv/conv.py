@@ -142,9 +142,9 @@ def _is_narrow_grouped(groups, C, OC, kernel):
     32 groups of 4 or 8): as GEMMs they would be products only that wide, so
     one direct kernel runs every group, output channels the vector axis and
     each lane's group inputs shuffled to it (grouped_kernel.h).  Measured on
-    Zen 4, 2 threads, 3x3 at 28x28 / 14x14: 4-7x implicit GEMM's speed at
-    widths 4 and 8 (1.7-1.9x torch channels_last at width 4, 0.5-0.9x at 8),
-    1.2-1.5x at 16."""
+    Zen 4, 2 threads, 3x3 at 28x28 / 14x14, against the implicit GEMM path:
+    5-9x at width 4 (1.2-1.9x torch channels_last), 2.4-3x at width 8
+    (0.5-0.9x torch), 1.2-1.5x at 16 (0.4-0.55x torch)."""
     return (groups > 1 and C == OC and C // groups >= 2
             and _dispatch.kernels.grouped_direct_supports(C // groups, kernel[0]))
 
