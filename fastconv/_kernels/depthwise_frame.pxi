@@ -121,17 +121,28 @@ cdef struct Row3x3:
     Py_ssize_t lo, hi
 
 
+cdef inline RowRange columns_with_taps_inside(const ConvGeom* g) noexcept nogil:
+    # The output columns whose first and last tap columns (so every tap
+    # column) lie inside the image, in any row: the row kernels skip their
+    # column checks there.  (conv_frame's interior_columns also asks the
+    # rows and a minimum run.)
+    cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
+    cdef RowRange last = valid_outputs(g.W, g.OW, (g.KW - 1) * g.DW - g.PL, g.SW)
+    cdef RowRange r
+    r.lo = max(first.lo, last.lo)
+    r.hi = max(r.lo, min(first.hi, last.hi))
+    return r
+
+
 cdef inline Row3x3 row3x3(const ConvGeom* g, const real* x, ImageStrides xs,
                           Py_ssize_t row) noexcept nogil:
     cdef Row3x3 r
     cdef Py_ssize_t n = row // g.OH, oh = row % g.OH, kh, ih
-    cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
-    cdef RowRange last = valid_outputs(g.W, g.OW, 2 * g.DW - g.PL, g.SW)
+    cdef RowRange inner = columns_with_taps_inside(g)
     for kh in range(3):
         ih = oh * g.SH - g.PT + kh * g.DH
         r.rows[kh] = <const void*>(x + n * xs.n + ih * xs.h) if 0 <= ih < g.H else NULL
-    r.lo = max(first.lo, last.lo)
-    r.hi = max(r.lo, min(first.hi, last.hi))
+    r.lo, r.hi = inner.lo, inner.hi
     return r
 
 

@@ -258,11 +258,8 @@ def grouped_direct_forward(const real[:, :, :, :] x, const real[:, :, :, ::1] w,
         if bias_view.shape[0] != g.C:
             raise ValueError(f"bias must be ({g.C},)")
         bias_ptr = &bias_view[0]
-    # Interior pixels: the first and the last tap column inside the image.
-    cdef RowRange first = valid_outputs(g.W, g.OW, -g.PL, g.SW)
-    cdef RowRange last = valid_outputs(g.W, g.OW, (g.KW - 1) * g.DW - g.PL, g.SW)
-    cdef Py_ssize_t lo = max(first.lo, last.lo)
-    cdef Py_ssize_t hi = max(lo, min(first.hi, last.hi))
+    cdef RowRange inner = columns_with_taps_inside(&g)
+    cdef Py_ssize_t lo = inner.lo, hi = inner.hi
     cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * g.C * g.KH * g.KW * KG, num_threads)
     cdef const real* xp = &x[0, 0, 0, 0]
     cdef const real* wp = &w[0, 0, 0, 0]
