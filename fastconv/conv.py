@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _args, _dispatch
 from ._threads import get_num_threads
+from .gemm import empty_aligned
 
 __all__ = ["im2col", "col2im", "conv2d", "conv2d_backward",
            "conv_transpose2d", "conv_transpose2d_backward", "PackedConv2d"]
@@ -286,7 +287,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     algorithm = _choose_algorithm(algorithm, groups, C, OC, N, geo, x.shape[1:3],
                                   packed is not None)
     act = _ACTIVATIONS[activation]
-    y = np.empty((N, OH, OW, OC), x.dtype)
+    y = empty_aligned((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y
     if x.size == 0:

@@ -10,6 +10,16 @@ from ._threads import get_num_threads
 __all__ = ["sgemm", "dgemm", "matmul"]
 
 
+def empty_aligned(shape, dtype):
+    """np.empty whose data starts on a 64-byte boundary (numpy only promises
+    16): the kernels' full-vector and streaming stores need aligned rows."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    buf = np.empty(n * dtype.itemsize + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    return buf[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def float_matrix(x, name):
     """``x`` as an ndarray, checked to be 2-D and floating; not cast or
     copied yet (the shapes are checked first: an invalid call allocates
@@ -92,7 +102,7 @@ def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
     if trans_b:
         b = b.T
     if c is None:
-        out = np.empty((M, N), dtype)
+        out = empty_aligned((M, N), dtype)
         beta = 0.0
     elif overwrite_c:
         out = c
@@ -102,7 +112,7 @@ def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
         if np.may_share_memory(out, b):
             b = b.copy()
     else:
-        out = np.array(c, dtype=dtype, order="C") if beta != 0 else np.empty((M, N), dtype)
+        out = np.array(c, dtype=dtype, order="C") if beta != 0 else empty_aligned((M, N), dtype)
     return gemm_into(alpha, a, b, beta, out)
 
 
@@ -136,4 +146,4 @@ def matmul(a, b):
     dtype = np.result_type(a.dtype, b.dtype)
     a = a.astype(dtype, copy=False)
     b = b.astype(dtype, copy=False)
-    return gemm_into(1.0, a, b, 0.0, np.empty((a.shape[0], b.shape[1]), dtype))
+    return gemm_into(1.0, a, b, 0.0, empty_aligned((a.shape[0], b.shape[1]), dtype))

@@ -16,6 +16,7 @@ test_checker_catches_buggy_kernels injects such bugs into the real call path
 Strided operands are built with NaN in the gaps between their elements, so a
 kernel that reads one element too far poisons the result.
 """
+import contextlib
 import math
 import threading
 import tracemalloc
@@ -28,6 +29,7 @@ from threadpoolctl import threadpool_limits
 
 import fastconv
 from fastconv import _dispatch
+from fastconv.gemm import empty_aligned
 
 AVAILABLE = _dispatch.AVAILABLE
 DTYPES = (np.float32, np.float64)
@@ -426,23 +428,35 @@ def _edge_cases():
     return cases
 
 
-@pytest.fixture(params=["pack-all", "pack-per-block"])
-def b_packing(request):
-    """gemm packs a B of up to 8 MiB whole, a larger one a KC x NC block at a
-    time; a zero budget drives the block-at-a-time path with small shapes."""
-    if request.param == "pack-all":
-        yield request.param
-        return
-    budgets = {}
+@contextlib.contextmanager
+def kernel_setting(setter_name, value):
+    """Every ISA build's module-level tuning knob set to value for the
+    block, restored after."""
+    previous = {}
     for isa_name in AVAILABLE:
         with _dispatch.use_isa(isa_name) as k:
-            budgets[isa_name] = k.set_pack_all_bytes(0)
+            previous[isa_name] = getattr(k, setter_name)(value)
     try:
-        yield request.param
+        yield
     finally:
-        for isa_name, budget in budgets.items():
+        for isa_name, old in previous.items():
             with _dispatch.use_isa(isa_name) as k:
-                k.set_pack_all_bytes(budget)
+                getattr(k, setter_name)(old)
+
+
+@pytest.fixture(params=["pack-all", "pack-per-block", "pack-all-streamed"])
+def b_packing(request):
+    """gemm packs a B of up to 8 MiB whole, a larger one a KC x NC block at a
+    time; a zero budget drives the block-at-a-time path with small shapes.
+    A C above a few MiB written in one K block is stored with non-temporal
+    stores; a zero threshold drives that path with small shapes."""
+    setting = {"pack-all": None, "pack-per-block": ("set_pack_all_bytes", 0),
+               "pack-all-streamed": ("set_stream_bytes", 0)}[request.param]
+    if setting is None:
+        yield request.param
+        return
+    with kernel_setting(*setting):
+        yield request.param
 
 
 @pytest.mark.parametrize("isa_name, dtype, shape", _edge_cases())
@@ -470,6 +484,40 @@ def test_blocking_edges(isa_name, dtype, shape, b_packing):
             check_gemm(results[-1], 1.0, a0, b0, 0.0, None, dtype)
     ref, scale = reference(1.0, a0, b0)
     check(results[1], results[0].astype(np.float64), 2 * scale, K, dtype)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "relu6"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("M, N, K", [(50, 64, 30), (37, 70, 200), (13, 48, 5), (40, 33, 300)],
+                         ids=str)
+def test_streamed_c_epilogue(isa, dtype, M, N, K, activation):
+    """C stored with non-temporal stores (threshold forced to 0) gets the
+    same bias and fused relu/relu6 as plain stores, NaN kept, for a 64-byte
+    aligned C (full tiles stream, edge tiles do not) and for a C whose rows
+    are not vector-aligned (nothing streams).  K = 300 is two K blocks,
+    which never stream."""
+    rng = rng_for("streamed", isa, dtype_id(dtype), M, N, K, activation)
+    a, b, bias = randn(rng, (M, K), dtype), randn(rng, (K, N), dtype), randn(rng, (N,), dtype)
+    a[3, 1] = np.nan                       # row 3 of C is NaN
+    ref = a.astype(np.float64) @ b.astype(np.float64) + bias
+    ref_abs = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)) + np.abs(bias)
+    if activation != "none":
+        ref = np.where(ref < 0, 0.0, ref)
+    if activation == "relu6":
+        ref = np.where(ref > 6, 6.0, ref)
+    act = {"none": 0, "relu": 1, "relu6": 2}[activation]
+    aligned = empty_aligned((M, N), dtype)
+    misaligned = empty_aligned((M, N + 1), dtype)[:, 1:]
+    with kernel_setting("set_stream_bytes", 0):
+        for c in (aligned, misaligned):
+            c[...] = 7
+            with _dispatch.use_isa(isa) as k:
+                k.gemm(1.0, a, b, 0.0, c, 2, bias, act)
+            assert np.array_equal(np.isnan(c), np.isnan(ref))
+            finite = ~np.isnan(ref)
+            bound = np.finfo(dtype).eps * (4 * math.sqrt(K) + 4) * ref_abs
+            assert np.all(np.abs(c[finite] - ref[finite]) <= bound[finite])
+
 
 
 # ------------------------------------------------------------- threads

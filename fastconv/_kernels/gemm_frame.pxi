@@ -48,6 +48,15 @@ cdef extern from "micro_kernel.h":
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
+    void fc_prefetch_rows(const void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
+                          Py_ssize_t row_bytes) noexcept nogil
+    void fc_prefetchw_rows(void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
+                           Py_ssize_t row_bytes) noexcept nogil
+    void fc_stream_row_f32(float* dst, const float* src, Py_ssize_t n, float alpha,
+                           const float* bias, int act) noexcept nogil
+    void fc_stream_row_f64(double* dst, const double* src, Py_ssize_t n, double alpha,
+                           const double* bias, int act) noexcept nogil
+    void fc_store_fence() noexcept nogil
 
 ctypedef fused real:
     float
@@ -107,6 +116,22 @@ cdef inline void aligned_free(void* p) noexcept nogil:
 # Largest B that gemm packs whole before multiplying (see gemm_nogil).  A
 # variable so that tests can drive the block-at-a-time path with small B.
 cdef Py_ssize_t pack_all_bytes = 8 * 1024 * 1024
+
+
+# A C larger than this, written in one K block, is stored with non-temporal
+# stores (see macro_kernel_ld): well past the L2s, so its lines would be
+# evicted before anyone reads them.  A variable so that tests can drive the
+# streaming path with small products.
+cdef Py_ssize_t stream_bytes = 4 * 1024 * 1024
+
+
+def set_stream_bytes(Py_ssize_t nbytes):
+    """Set the size above which a one-K-block GEMM streams C (tests only:
+    not thread-safe); returns the previous value."""
+    global stream_bytes
+    previous = stream_bytes
+    stream_bytes = max(0, nbytes)
+    return previous
 
 
 def set_pack_all_bytes(Py_ssize_t nbytes):
@@ -277,7 +302,7 @@ cdef inline void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                               int act) noexcept nogil:
     # B's NR panels packed kc deep, one after another.
     macro_kernel_ld(mc, nc, kc, kc, jp0, jp1, a, rsa, csa, bpack, c, rsc, csc, alpha, beta,
-                    first, bias, act)
+                    first, bias, act, False)
 
 
 cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_t ldb,
@@ -285,7 +310,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                           const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                           real alpha, real beta, bint first, const real* bias,
-                          int act) noexcept nogil:
+                          int act, bint stream) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A is not packed into k-major panels (see
     # micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
@@ -295,29 +320,55 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # in a few L1 sets (8-way on the CPUs we target; measured 12 % slower at
     # N = 1024 and 2048), and non-unit k stride (A.T views).  acc and the
     # copy live on this thread's stack.
+    #
+    # While a slice is multiplied, the next slice of A and the next C tiles
+    # are prefetched into L2 (see fc_prefetch_rows).  stream: C is large and
+    # written once (gemm_nogil decides); full, aligned tiles of the first K
+    # block then go out with non-temporal stores instead of prefetch + store.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
     cdef real panel[MAX_PANEL]
     cdef bint copy_a = csa != 1 or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0
     cdef const real* ap
-    cdef Py_ssize_t ip, ir, jp, jr, mr, ars = kc + A_PANEL_PAD if copy_a else rsa
+    cdef real* ct
+    cdef Py_ssize_t ip, ir, jp, jr, mr, i, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
+    stream = (stream and first and beta == 0 and csc == 1
+              and (rsc * <Py_ssize_t>sizeof(real)) % 64 == 0)
     for ip in range(cdiv(mc, MR)):
         ir = ip * MR
         mr = min(MR, mc - ir)
+        next_rows = min(MR, mc - ir - MR)
         ap = a + ir * rsa
         if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
+        elif next_rows > 0:
+            fc_prefetch_rows(a + (ir + MR) * rsa, next_rows, rsa * sizeof(real),
+                             kc * sizeof(real))
+        if next_rows > 0 and csc == 1 and not stream:
+            fc_prefetchw_rows(c + (ir + MR) * rsc + jp0 * NR, next_rows, rsc * sizeof(real),
+                              (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
         for jp in range(jp0, jp1):
             jr = jp * NR
+            ct = c + ir * rsc + jr * csc
             if real is float:
                 fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, acc)
             else:
                 fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, acc)
-            store_tile(acc, NR, c + ir * rsc + jr * csc, rsc, csc,
-                       mr, min(NR, nc - jr), alpha, beta, first,
-                       NULL if bias == NULL else bias + jr, act)
+            if stream and nc - jr >= NR and (<size_t>ct) % 64 == 0:
+                for i in range(mr):
+                    if real is float:
+                        fc_stream_row_f32(ct + i * rsc, acc + i * NR, NR, alpha,
+                                          NULL if bias == NULL else bias + jr, act)
+                    else:
+                        fc_stream_row_f64(ct + i * rsc, acc + i * NR, NR, alpha,
+                                          NULL if bias == NULL else bias + jr, act)
+            else:
+                store_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
+                           NULL if bias == NULL else bias + jr, act)
+    if stream:
+        fc_store_fence()
 
 
 cdef inline void finish_gemv_value(real v, real* y, real alpha, real beta, const real* bias,
@@ -435,6 +486,7 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # cost ~13 % at batch-1 sizes).  A larger B is packed a block at a time
     # into one L2-sized buffer, the Goto way.
     cdef bint pack_all = K * N * <Py_ssize_t>sizeof(real) <= pack_all_bytes
+    cdef bint stream = n_kb == 1 and M * N * <Py_ssize_t>sizeof(real) > stream_bytes
     cdef real* bbuf = <real*>aligned_malloc(
         (n_jb * n_kb if pack_all else 1) * kc_blk * nc_blk * sizeof(real))
     if bbuf == NULL:
@@ -471,7 +523,7 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                         bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
                                         c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
                                         pblk == 0, NULL if bias == NULL else bias + jc,
-                                        act if pblk == n_kb - 1 else ACT_NONE)
+                                        act if pblk == n_kb - 1 else ACT_NONE, stream)
         aligned_free(bbuf)
         return 0
 
