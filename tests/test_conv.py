@@ -880,14 +880,23 @@ ALGORITHM_CASES = [
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2), ("implicit", "im2col")),
     ((2, 7, 6, 12), (20, 1, 1, 12), {}, ("implicit", "im2col", "gemm1x1")),
     ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10), ("implicit", "im2col", "direct")),
+    # 64 output channels: full micro-tiles on aligned rows, which a large
+    # output writes with non-temporal stores (forced below by "streamed").
+    ((2, 9, 8, 16), (64, 3, 3, 16), dict(padding=1), ("implicit", "im2col", "winograd")),
+    ((2, 7, 6, 24), (64, 1, 1, 24), {}, ("implicit", "im2col", "gemm1x1")),
 ]
 
 
 @pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithms", ALGORITHM_CASES)
 @pytest.mark.parametrize("activation", [None, "relu", "relu6"])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("streamed", [False, True], ids=["stored", "streamed"])
 def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, algorithms,
-                                                     activation, dtype):
+                                                     activation, dtype, streamed, request):
+    if streamed:       # every output counts as large: non-temporal stores
+        kernels = fastconv._dispatch.kernels
+        previous = kernels.set_stream_bytes(0)
+        request.addfinalizer(lambda: kernels.set_stream_bytes(previous))
     rng = np.random.default_rng(sum(x_shape))
     x = (4 * rng.standard_normal(x_shape)).astype(dtype)   # values past 6 for relu6
     w = rng.standard_normal(w_shape).astype(dtype)

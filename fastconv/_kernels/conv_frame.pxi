@@ -352,10 +352,12 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
                             const real* bpack, Py_ssize_t nc_blk,
                             Py_ssize_t js, Py_ssize_t n_js,
-                            const real* bias, int act, real* y, Py_ssize_t rsy) noexcept nogil:
+                            const real* bias, int act, real* y, Py_ssize_t rsy,
+                            bint stream) noexcept nogil:
     # y[segment pixels, share js of the output channels] = patches @ w.T (+
     # bias): the forward's macro-kernel.  Per k-block, each segment's A slice
-    # stays in L1 while the NR panels of the block stream from L2.
+    # stays in L1 while the NR panels of the block stream from L2.  stream:
+    # y's full tiles go out with non-temporal stores (can_stream).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t rsa = g.SW * xs.w
@@ -388,10 +390,12 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                     else:
                         fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
                                             bblk + jr * blk.kc, acc)
-                    store_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
+                    write_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
                                min(NR, nc - jr), 1, 0, kb == 0,
                                NULL if bias == NULL else bias + jc + jr,
-                               act if kb == n_kb - 1 else ACT_NONE)
+                               act if kb == n_kb - 1 else ACT_NONE, stream)
+    if stream:
+        fc_store_fence()
 
 
 cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -457,6 +461,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         free(tap_off)
         return -1
     cdef bint use_taps = taps_path_ok(g, xs, <real>0)
+    cdef bint stream = can_stream(M, OC, n_kb, <real>0, rsy, 1)
     # Tasks are ordered by column share, then chunk, so that the static
     # schedule gives each thread whole shares: chunk-major order handed one
     # thread 36 of 49 rows' work at 512->512 @7 batch 1 (3 chunks x 2
@@ -469,7 +474,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                              bufs + tid * R * ld, ld, seg_bufs + tid * R)
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
-                          task // n_ic, n_js, bias, act, y, rsy)
+                          task // n_ic, n_js, bias, act, y, rsy, stream)
     if prepacked == NULL:
         aligned_free(bpack)
     aligned_free(bufs)

@@ -201,6 +201,37 @@ cdef inline void store_tile(const real* acc, Py_ssize_t nr_full,
         clamp_tile(c, rsc, csc, mr, nr, act)
 
 
+cdef inline bint can_stream(Py_ssize_t M, Py_ssize_t N, Py_ssize_t n_kb, real beta,
+                            Py_ssize_t rsc, Py_ssize_t csc) noexcept nogil:
+    # Whether C (M x N, rows rsc apart) goes out with non-temporal stores:
+    # past stream_bytes, so its lines would leave the L2s before anyone
+    # reads them, written once (one K block, beta == 0, nothing to read
+    # back), and with rows that start on vector boundaries.
+    return (n_kb == 1 and beta == 0 and csc == 1
+            and M * N * <Py_ssize_t>sizeof(real) > stream_bytes
+            and (rsc * <Py_ssize_t>sizeof(real)) % 64 == 0)
+
+
+cdef inline void write_tile(const real* acc, Py_ssize_t nr_full,
+                            real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                            Py_ssize_t mr, Py_ssize_t nr,
+                            real alpha, real beta, bint first,
+                            const real* bias, int act, bint stream) noexcept nogil:
+    # store_tile, or, for a full tile of a streamed C (can_stream) that
+    # starts on a vector boundary, the same epilogue with non-temporal
+    # stores.  A thread that streamed calls fc_store_fence before its task
+    # ends.
+    cdef Py_ssize_t i
+    if stream and nr == nr_full and (<size_t>c) % 64 == 0:
+        for i in range(mr):
+            if real is float:
+                fc_stream_row_f32(c + i * rsc, acc + i * nr_full, nr_full, alpha, bias, act)
+            else:
+                fc_stream_row_f64(c + i * rsc, acc + i * nr_full, nr_full, alpha, bias, act)
+    else:
+        store_tile(acc, nr_full, c, rsc, csc, mr, nr, alpha, beta, first, bias, act)
+
+
 cdef inline void clamp_tile(real* c, Py_ssize_t rsc, Py_ssize_t csc, Py_ssize_t mr,
                             Py_ssize_t nr, int act) noexcept nogil:
     # relu: max(v, 0); relu6: min(max(v, 0), 6).  NaN stays NaN, as in torch.
@@ -322,9 +353,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # copy live on this thread's stack.
     #
     # While a slice is multiplied, the next slice of A and the next C tiles
-    # are prefetched into L2 (see fc_prefetch_rows).  stream: C is large and
-    # written once (gemm_nogil decides); full, aligned tiles of the first K
-    # block then go out with non-temporal stores instead of prefetch + store.
+    # are prefetched into L2 (see fc_prefetch_rows), the C tiles only when C
+    # is not streamed (see can_stream and write_tile).
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
@@ -332,9 +362,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef bint copy_a = csa != 1 or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0
     cdef const real* ap
     cdef real* ct
-    cdef Py_ssize_t ip, ir, jp, jr, mr, i, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
-    stream = (stream and first and beta == 0 and csc == 1
-              and (rsc * <Py_ssize_t>sizeof(real)) % 64 == 0)
+    cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
     for ip in range(cdiv(mc, MR)):
         ir = ip * MR
         mr = min(MR, mc - ir)
@@ -356,17 +384,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, acc)
             else:
                 fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, acc)
-            if stream and nc - jr >= NR and (<size_t>ct) % 64 == 0:
-                for i in range(mr):
-                    if real is float:
-                        fc_stream_row_f32(ct + i * rsc, acc + i * NR, NR, alpha,
-                                          NULL if bias == NULL else bias + jr, act)
-                    else:
-                        fc_stream_row_f64(ct + i * rsc, acc + i * NR, NR, alpha,
-                                          NULL if bias == NULL else bias + jr, act)
-            else:
-                store_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
-                           NULL if bias == NULL else bias + jr, act)
+            write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
+                       NULL if bias == NULL else bias + jr, act, stream)
     if stream:
         fc_store_fence()
 
@@ -486,7 +505,7 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # cost ~13 % at batch-1 sizes).  A larger B is packed a block at a time
     # into one L2-sized buffer, the Goto way.
     cdef bint pack_all = K * N * <Py_ssize_t>sizeof(real) <= pack_all_bytes
-    cdef bint stream = n_kb == 1 and M * N * <Py_ssize_t>sizeof(real) > stream_bytes
+    cdef bint stream = can_stream(M, N, n_kb, beta, rsc, csc)
     cdef real* bbuf = <real*>aligned_malloc(
         (n_jb * n_kb if pack_all else 1) * kc_blk * nc_blk * sizeof(real))
     if bbuf == NULL:
