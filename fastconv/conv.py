@@ -344,10 +344,20 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         flipped = _flipped_geometry(geo, in_shape[1:3])
         if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False):
             return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape)
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    if (_is_pointwise(geo, in_shape[1:3]) and not _is_depthwise(groups, C)
+            and not _is_narrow_grouped(groups, C, OC, geo.kernel)
+            and 0 not in in_shape and dy.size):
+        # col2im would be a plain copy: the GEMMs write dx, each element
+        # once, so it needs no zeroing, and aligned it may be streamed.
+        dx = empty_aligned(in_shape, dy.dtype)
+        dy_rows = _unit_columns(_pixel_matrix(dy))
+        for c, oc in _group_slices(groups, C, OC):
+            kernels.gemm(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx[..., c]), nt)
+        return dx
     dx = np.zeros(in_shape, dy.dtype)
     if dx.size == 0 or dy.size == 0:
         return dx
-    kernels, nt = _dispatch.kernels, get_num_threads()
     if _is_depthwise(groups, C):
         taps = _tap_weights(w2d, geo.kernel)
         (DH, DW), (PT, PL) = geo.dilation, geo.pad_before
@@ -369,16 +379,11 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
                 None, dx, *flipped[:4], nt)
             return dx
     dy_rows = _unit_columns(_pixel_matrix(dy))
-    pointwise = _is_pointwise(geo, in_shape[1:3])
-    if _groups_in_parallel(groups, nt) and not pointwise:
+    if _groups_in_parallel(groups, nt):
         kernels.conv2d_grad_input_groups(dy_rows, w2d, dx, groups, *geo, nt)
         return dx
     for c, oc in _group_slices(groups, C, OC):
-        if pointwise:
-            # col2im would be a plain copy: write the GEMM into dx.
-            kernels.gemm(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx[..., c]), nt)
-        else:
-            kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt)
+        kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt)
     return dx
 
 

@@ -233,6 +233,14 @@ def one_panel_chunks(request):
     request.addfinalizer(lambda: kernels.set_chunk_bytes(previous))
 
 
+def streamed_outputs(request):
+    """Make every output count as large for this test, so that the kernels
+    write full tiles with non-temporal stores."""
+    kernels = fastconv._dispatch.kernels
+    previous = kernels.set_stream_bytes(0)
+    request.addfinalizer(lambda: kernels.set_stream_bytes(previous))
+
+
 def check_inputs_untouched(pairs):
     for given, original in pairs:
         np.testing.assert_array_equal(given, original)
@@ -509,8 +517,15 @@ def torch_grads(x, w, b, dy, **kwargs):
     ((2, 40, 36, 16), (16, 3, 3, 16), dict(padding=1)),                      # threaded kernels
     ((2, 17, 15, 8), (12, 1, 1, 8), {}),                                     # pointwise
     ((2, 17, 15, 8), (12, 1, 1, 4), dict(groups=2)),                         # grouped pointwise
+    # The pointwise input gradient is written by GEMMs into an uninitialised
+    # dx: full, aligned rows of 64 channels, streamed when forced below.
+    ((2, 9, 7, 64), (24, 1, 1, 64), {}),
+    ((2, 9, 7, 128), (24, 1, 1, 64), dict(groups=2)),
 ])
-def test_edge_shapes_match_torch(x_shape, w_shape, kwargs, dtype):
+@pytest.mark.parametrize("streamed", [False, True], ids=["stored", "streamed"])
+def test_edge_shapes_match_torch(x_shape, w_shape, kwargs, dtype, streamed, request):
+    if streamed:
+        streamed_outputs(request)
     rng = np.random.default_rng(x_shape[3] + w_shape[0])
     x = rng.standard_normal(x_shape).astype(dtype)
     w = rng.standard_normal(w_shape).astype(dtype)
@@ -893,10 +908,8 @@ ALGORITHM_CASES = [
 @pytest.mark.parametrize("streamed", [False, True], ids=["stored", "streamed"])
 def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, algorithms,
                                                      activation, dtype, streamed, request):
-    if streamed:       # every output counts as large: non-temporal stores
-        kernels = fastconv._dispatch.kernels
-        previous = kernels.set_stream_bytes(0)
-        request.addfinalizer(lambda: kernels.set_stream_bytes(previous))
+    if streamed:
+        streamed_outputs(request)
     rng = np.random.default_rng(sum(x_shape))
     x = (4 * rng.standard_normal(x_shape)).astype(dtype)   # values past 6 for relu6
     w = rng.standard_normal(w_shape).astype(dtype)
