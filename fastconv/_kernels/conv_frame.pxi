@@ -494,15 +494,31 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = S_KC if real is float else D_KC
     cdef Py_ssize_t ncols = j1 - j0, n_panels = cdiv(j1 - j0, NR)
-    cdef Py_ssize_t pb, pc, kc, jp
+    cdef Py_ssize_t pb, pc, kc
     for pb in range(cdiv(rows, KC)):
         pc = pb * KC
         kc = min(KC, rows - pc)
-        for jp in range(n_panels):
-            pack_b_panel(kc, min(NR, ncols - jp * NR), patches + pc * ld + j0 + jp * NR,
-                         ld, 1, bpack + jp * NR * kc)
+        pack_b_rows(kc, ncols, patches + pc * ld + j0, ld, bpack)
         macro_kernel(OC, ncols, kc, 0, n_panels, dy + pc * rsdy, 1, rsdy, bpack,
                      acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE)
+
+
+cdef inline bint patches_are_image(const ConvGeom* g, ImageStrides xs) noexcept nogil:
+    # A 1x1, stride-1, unpadded convolution of an image whose pixels are
+    # evenly spaced: patch row m is pixel m, read in place.
+    return (g.KH == 1 and g.KW == 1 and g.SH == 1 and g.SW == 1 and g.PT == 0 and g.PL == 0
+            and g.OH == g.H and g.OW == g.W and xs.h == g.W * xs.w and xs.n == g.H * xs.h)
+
+
+cdef inline const real* chunk_patches(const ConvGeom* g, const real* x, ImageStrides xs,
+                                      Py_ssize_t m0, Py_ssize_t m1, bint in_place,
+                                      real* buf, Py_ssize_t ld) noexcept nogil:
+    # Patch rows m0..m1: the image itself (patches_are_image; rows xs.w
+    # apart), or built into buf (rows ld apart).
+    if in_place:
+        return x + m0 * xs.w
+    im2col_rows(g, x, xs, m0, m1, buf, ld)
+    return buf
 
 
 cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -513,7 +529,8 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     # rows.  Threads split the chunks, each into its own OC x K accumulator,
     # summed at the end; when chunks are too few to share (small images,
     # batch 1), threads split the columns of dw instead and each walks every
-    # chunk.
+    # chunk.  A 1x1 layer's patch rows are the image's pixels, packed
+    # straight from it (patches_are_image).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = S_KC if real is float else D_KC
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
@@ -540,6 +557,9 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     memset(accs, 0, n_acc * OC * K * sizeof(real))
     cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc
     cdef real* acc
+    cdef const real* patches
+    cdef bint in_place = patches_are_image(g, xs)
+    cdef Py_ssize_t ldp = xs.w if in_place else ld
     if split_chunks:
         # Static: each thread always sums the same chunks in the same order,
         # so the result does not change from run to run.
@@ -547,9 +567,9 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
             tid = threadid()
             m0 = chunk * R
             m1 = min(M, m0 + R)
-            im2col_rows(g, x, xs, m0, m1, bufs + tid * R * ld, ld)
+            patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + tid * R * ld, ld)
             grad_weight_chunk(m1 - m0, OC, 0, K, dy + m0 * rsdy, rsdy,
-                              bufs + tid * R * ld, ld, bpacks + tid * bpack_size,
+                              patches, ldp, bpacks + tid * bpack_size,
                               accs + tid * OC * K, K)
     else:
         for t in prange(nt, num_threads=nt, schedule="static"):
@@ -560,10 +580,9 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                 for chunk in range(n_chunks):
                     m0 = chunk * R
                     m1 = min(M, m0 + R)
-                    im2col_rows(g, x, xs, m0, m1, bufs + t * R * ld, ld)
+                    patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + t * R * ld, ld)
                     grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy,
-                                      bufs + t * R * ld, ld, bpacks + t * bpack_size,
-                                      accs, K)
+                                      patches, ldp, bpacks + t * bpack_size, accs, K)
     for oc in prange(OC, num_threads=nt, schedule="static"):
         for i in range(K):
             dw[oc * rsdw + i] = accs[oc * K + i]
