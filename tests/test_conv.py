@@ -899,6 +899,10 @@ ALGORITHM_CASES = [
     # output writes with non-temporal stores (forced below by "streamed").
     ((2, 9, 8, 16), (64, 3, 3, 16), dict(padding=1), ("implicit", "im2col", "winograd")),
     ((2, 7, 6, 24), (64, 1, 1, 24), {}, ("implicit", "im2col", "gemm1x1")),
+    # Depthwise 3x3 row kernel with the activation fused: whole vectors of
+    # 32 channels (streamed when forced), and 40 = vectors + a scalar tail.
+    ((2, 9, 8, 32), (32, 3, 3, 1), dict(padding=1, groups=32), ("implicit", "im2col", "direct")),
+    ((1, 7, 9, 40), (40, 3, 3, 1), dict(padding=1, groups=40), ("implicit", "direct")),
 ]
 
 

@@ -21,11 +21,13 @@ cdef extern from "depthwise_kernel.h":
     void fc_depthwise3x3_row_f32(const float* const* rows, Py_ssize_t xsw, Py_ssize_t W,
                                  Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const float* w,
-                                 const float* bias, float* y) noexcept nogil
+                                 const float* bias, float* y, int act,
+                                 int stream) noexcept nogil
     void fc_depthwise3x3_row_f64(const double* const* rows, Py_ssize_t xsw, Py_ssize_t W,
                                  Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const double* w,
-                                 const double* bias, double* y) noexcept nogil
+                                 const double* bias, double* y, int act,
+                                 int stream) noexcept nogil
     void fc_depthwise3x3_grad_weight_row_f32(const float* const* rows, Py_ssize_t xsw,
                                              Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
                                              Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
@@ -160,18 +162,20 @@ cdef void depthwise3x3_grad_weight_row(const ConvGeom* g, const real* x, ImageSt
 
 cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
                                    const real* w, const real* bias, real* y,
-                                   Py_ssize_t row) noexcept nogil:
+                                   Py_ssize_t row, int act, bint stream) noexcept nogil:
     # Output row `row` (= n*OH + oh) of a 3x3 layer with multiplier 1, by
-    # the register-blocked row kernel.
+    # the register-blocked row kernel, activation fused.
     cdef Row3x3 r = row3x3(g, x, xs, row)
     cdef const real** rows = <const real**>r.rows
     cdef Py_ssize_t lo = r.lo, hi = r.hi
     if real is float:
         fc_depthwise3x3_row_f32(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
-                                y + row * g.OW * g.C)
+                                y + row * g.OW * g.C, act, stream)
     else:
         fc_depthwise3x3_row_f64(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
-                                y + row * g.OW * g.C)
+                                y + row * g.OW * g.C, act, stream)
+    if stream:
+        fc_store_fence()
 
 
 cdef void depthwise_grad_input_row(const ConvGeom* g, const real* dy, const real* w,
@@ -199,23 +203,36 @@ cdef void depthwise_grad_input_row(const ConvGeom* g, const real* dy, const real
         depthwise_taps(g.C, ntaps, dyp, wp, NULL, dx + n * xs.n + ih * xs.h + iw * xs.w)
 
 
-cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
+cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
                                   const real* x, ImageStrides xs, const real* w,
-                                  const real* bias, real* y, int max_threads) noexcept nogil:
-    # y (N, OH, OW, C*mult), contiguous.
+                                  const real* bias, real* y, int act,
+                                  int max_threads) noexcept nogil:
+    # y (N, OH, OW, C*mult), contiguous.  Returns whether the activation
+    # was applied (the 3x3 row kernel fuses it; the caller clamps y after
+    # the other paths).
     cdef Py_ssize_t OC = g.C * mult
     cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
     cdef Py_ssize_t row, n, oh, ow, kh, kw, ih, c
     cdef RowRange cols
     cdef real* yrow
+    cdef bint stream
     if mult == 1 and g.KH == 3 and g.KW == 3:
+        # A large output streams past the caches (can_stream): it is written
+        # once, by whole aligned vectors when C is a multiple of them.
+        stream = (can_stream(g.N * g.OH * g.OW, OC, 1, <real>0, OC, 1)
+                  and (OC * <Py_ssize_t>sizeof(real)) % VBYTES == 0 and (<size_t>y) % 64 == 0)
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
-            depthwise3x3_forward_row(g, x, xs, w, bias, y, row)
-        return
+            depthwise3x3_forward_row(g, x, xs, w, bias, y, row, act, stream)
+            if stream and row % (g.N * g.OH) == g.N * g.OH - 1:
+                fc_store_fence()
+        if stream:
+            for row in prange(nt, num_threads=nt, schedule="static"):
+                fc_store_fence()
+        return True
     if mult == 1 and g.KH * g.KW <= MAX_DEPTHWISE_TAPS:
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
             depthwise_forward_row(g, x, xs, w, bias, y, row)
-        return
+        return False
     for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
         n = row // g.OH
         oh = row - n * g.OH
@@ -230,6 +247,7 @@ cdef void depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
                     cols = valid_outputs(g.W, g.OW, kw * g.DW - g.PL, g.SW)
                     depthwise_tap_row(x + n * xs.n + ih * xs.h, xs.w, w + (kh * g.KW + kw) * OC,
                                       yrow, cols.lo, cols.hi, kw * g.DW - g.PL, g.SW, g.C, mult)
+    return False
 
 
 cdef void depthwise_grad_input_nogil(const ConvGeom* g, Py_ssize_t mult,
@@ -345,10 +363,12 @@ def depthwise_forward(const real[:, :, :, :] x, const real[:, :, ::1] w, bias,
     if bias is not None:
         bias_view = bias
         bias_ptr = &bias_view[0]
+    cdef bint fused
     with nogil:
-        depthwise_forward_nogil(&g, y.shape[3] // x.shape[3], &x[0, 0, 0, 0], xs,
-                                &w[0, 0, 0], bias_ptr, &y[0, 0, 0, 0], num_threads)
-        if activation != ACT_NONE:
+        fused = depthwise_forward_nogil(&g, y.shape[3] // x.shape[3], &x[0, 0, 0, 0], xs,
+                                        &w[0, 0, 0], bias_ptr, &y[0, 0, 0, 0], activation,
+                                        num_threads)
+        if activation != ACT_NONE and not fused:
             clamp_tile(&y[0, 0, 0, 0], y.shape[3], 1, y.shape[0] * y.shape[1] * y.shape[2],
                        y.shape[3], activation)
 

@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "micro_kernel.h"       /* FC_STREAM_f32 / _f64 */
+
 #if defined(__clang__)
 #define FC_DW_UNROLL _Pragma("clang loop unroll(full)")
 #else
@@ -88,14 +90,16 @@
         }                                                                       \
     }
 
-#define FC_DW3_PIXEL(T, V, CHECK)                                               \
+/* FINISH(acc, dst): apply the activation and store (see
+ * fc_depthwise3x3_row). */
+#define FC_DW3_PIXEL(T, V, CHECK, FINISH)                                       \
     {                                                                           \
         V acc = bv;                                                             \
         FC_DW3_FOR_TAPS(V, CHECK, acc += xv * wv[t];)                           \
-        memcpy(y + ow * C + c, &acc, sizeof(V));                                \
+        FINISH(acc, y + ow * C + c);                                            \
     }
 
-#define FC_DW3_STEP(T, V)                                                       \
+#define FC_DW3_STEP(T, V, FINISH)                                               \
     {                                                                           \
         V wv[9], bv;                                                            \
         FC_DW_UNROLL for (int t = 0; t < 9; t++)                                \
@@ -103,9 +107,9 @@
         if (bias) memcpy(&bv, bias + c, sizeof(V));                             \
         else memset(&bv, 0, sizeof(V));                                         \
         ptrdiff_t ow = 0;                                                       \
-        for (; ow < lo; ow++) FC_DW3_PIXEL(T, V, 1)                             \
-        for (; ow < hi; ow++) FC_DW3_PIXEL(T, V, 0)                             \
-        for (; ow < OW; ow++) FC_DW3_PIXEL(T, V, 1)                             \
+        for (; ow < lo; ow++) FC_DW3_PIXEL(T, V, 1, FINISH)                     \
+        for (; ow < hi; ow++) FC_DW3_PIXEL(T, V, 0, FINISH)                     \
+        for (; ow < OW; ow++) FC_DW3_PIXEL(T, V, 1, FINISH)                     \
     }
 
 /* The weight gradient of one output row of the same layer: for each
@@ -135,16 +139,52 @@
         }                                                                       \
     }
 
+/* The fused epilogue of a vector of outputs: relu (act 1) or relu6 (act
+ * 2) by masks, so that NaN stays NaN as in torch, then a plain store or,
+ * for a large output (stream), a non-temporal one (micro_kernel.h). */
+#define FC_DW3_FINISH_VEC(SUFFIX, T, IT)                                        \
+    static inline void fc_dw3_finish_vec_##SUFFIX(fc_dwvec_##SUFFIX v, int act, \
+                                                  int stream, T *dst)           \
+    {                                                                           \
+        typedef IT ivec __attribute__((vector_size(FC_VBYTES)));                \
+        const fc_dwvec_##SUFFIX zero = {0}, six = zero + 6;                     \
+        if (act) {                                                              \
+            ivec neg = v < zero;                                                \
+            v = (fc_dwvec_##SUFFIX)((ivec)v & ~neg);                            \
+        }                                                                       \
+        if (act == 2) {                                                         \
+            ivec big = v > six;                                                 \
+            v = (fc_dwvec_##SUFFIX)(((ivec)v & ~big) | ((ivec)six & big));      \
+        }                                                                       \
+        if (stream)                                                             \
+            FC_STREAM_##SUFFIX(dst, v);                                         \
+        else                                                                    \
+            memcpy(dst, &v, FC_VBYTES);                                         \
+    }
+
+#define FC_DW3_FINISH_SCALAR(T)                                                 \
+    static inline void fc_dw3_finish_##T(T v, int act, T *dst)                  \
+    {                                                                           \
+        if (act && v < 0) v = 0;                                                \
+        else if (act == 2 && v > 6) v = 6;                                      \
+        *dst = v;                                                               \
+    }
+
+/* act: 0 none, 1 relu, 2 relu6.  stream: y is vector-aligned, C a multiple
+ * of the vector length, and the output large (see can_stream); the caller
+ * fences. */
 #define FC_DEFINE_DEPTHWISE_3X3(SUFFIX, T)                                      \
     static inline void fc_depthwise3x3_row_##SUFFIX(                            \
         const T *const rows[3], ptrdiff_t xsw, ptrdiff_t W, ptrdiff_t C,        \
         ptrdiff_t OW, ptrdiff_t SW, ptrdiff_t DW, ptrdiff_t PL,                 \
-        ptrdiff_t lo, ptrdiff_t hi, const T *w, const T *bias, T *y)            \
+        ptrdiff_t lo, ptrdiff_t hi, const T *w, const T *bias, T *y,            \
+        int act, int stream)                                                    \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
         ptrdiff_t c = 0;                                                        \
-        for (; c + VL <= C; c += VL) FC_DW3_STEP(T, fc_dwvec_##SUFFIX)          \
-        for (; c < C; c++) FC_DW3_STEP(T, T)                                    \
+        for (; c + VL <= C; c += VL)                                            \
+            FC_DW3_STEP(T, fc_dwvec_##SUFFIX, FC_DW3_VEC_FINISH_##SUFFIX)       \
+        for (; c < C; c++) FC_DW3_STEP(T, T, FC_DW3_SCALAR_FINISH_##SUFFIX)     \
     }                                                                           \
                                                                                 \
     static inline void fc_depthwise3x3_grad_weight_row_##SUFFIX(                \
@@ -160,6 +200,14 @@
 
 FC_DEFINE_DEPTHWISE_TAPS(f32, float)
 FC_DEFINE_DEPTHWISE_TAPS(f64, double)
+FC_DW3_FINISH_VEC(f32, float, int)
+FC_DW3_FINISH_VEC(f64, double, long long)
+FC_DW3_FINISH_SCALAR(float)
+FC_DW3_FINISH_SCALAR(double)
+#define FC_DW3_VEC_FINISH_f32(acc, dst) fc_dw3_finish_vec_f32(acc, act, stream, dst)
+#define FC_DW3_VEC_FINISH_f64(acc, dst) fc_dw3_finish_vec_f64(acc, act, stream, dst)
+#define FC_DW3_SCALAR_FINISH_f32(acc, dst) fc_dw3_finish_float(acc, act, dst)
+#define FC_DW3_SCALAR_FINISH_f64(acc, dst) fc_dw3_finish_double(acc, act, dst)
 FC_DEFINE_DEPTHWISE_3X3(f32, float)
 FC_DEFINE_DEPTHWISE_3X3(f64, double)
 
