@@ -20,6 +20,8 @@ def choice(value, name, options):
 
 
 def _int(value, name, what):
+    if type(value) is int:          # the common case, without the ABC check
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be {what}; got {value!r}")
     return operator.index(value)

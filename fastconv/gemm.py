@@ -1,5 +1,6 @@
 """GEMM facade: argument checking for sgemm/dgemm/matmul; the work is one
 call into the dispatched kernel build (fastconv._dispatch.kernels.gemm)."""
+import math
 import numbers
 
 import numpy as np
@@ -14,10 +15,10 @@ def empty_aligned(shape, dtype):
     """np.empty whose data starts on a 64-byte boundary (numpy only promises
     16): the kernels' full-vector and streaming stores need aligned rows."""
     dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    buf = np.empty(n * dtype.itemsize + 64, np.uint8)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = np.empty(nbytes + 64, np.uint8)
     start = -buf.ctypes.data % 64
-    return buf[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def float_matrix(x, name):
