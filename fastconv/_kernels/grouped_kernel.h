@@ -302,6 +302,33 @@
 #include <immintrin.h>
 #define FC_G_PERMUTE_PS(v, imm) _mm512_permute_ps((__m512)(v), imm)
 #define FC_G_PERMUTE_PD(v, imm) _mm512_permute_pd((__m512d)(v), imm)
+/* Groups of 256 bits (8 floats, 4 doubles): 128-bit lane J of each 256-bit
+ * half copied to both of that half's lanes (vshuff32x4, an immediate),
+ * then an in-lane permute picks the element: two immediate shuffles per
+ * FMA instead of one lane-crossing vpermps with an index register. */
+#define FC_G_IMM_HALF_LANE(J) ((J) | ((J) << 2) | ((2 + (J)) << 4) | ((2 + (J)) << 6))
+#define FC_G_HALF_PS(v, I)                                                     \
+    _mm512_permute_ps(_mm512_shuffle_f32x4((__m512)(v), (__m512)(v),           \
+                                           FC_G_IMM_HALF_LANE((I) / 4)),       \
+                      FC_G_IMM_PS(4, (I) % 4))
+#define FC_G_HALF_PD(v, I)                                                     \
+    _mm512_permute_pd(_mm512_shuffle_f64x2((__m512d)(v), (__m512d)(v),         \
+                                           FC_G_IMM_HALF_LANE((I) / 2)),       \
+                      (I) % 2 ? 0xFF : 0x00)
+#define FC_G_HALF_CASES_f32(v)                                                 \
+    case 32: return (__typeof__(v))FC_G_HALF_PS(v, 0);                         \
+    case 33: return (__typeof__(v))FC_G_HALF_PS(v, 1);                         \
+    case 34: return (__typeof__(v))FC_G_HALF_PS(v, 2);                         \
+    case 35: return (__typeof__(v))FC_G_HALF_PS(v, 3);                         \
+    case 36: return (__typeof__(v))FC_G_HALF_PS(v, 4);                         \
+    case 37: return (__typeof__(v))FC_G_HALF_PS(v, 5);                         \
+    case 38: return (__typeof__(v))FC_G_HALF_PS(v, 6);                         \
+    case 39: return (__typeof__(v))FC_G_HALF_PS(v, 7);
+#define FC_G_HALF_CASES_f64(v)                                                 \
+    case 16: return (__typeof__(v))FC_G_HALF_PD(v, 0);                         \
+    case 17: return (__typeof__(v))FC_G_HALF_PD(v, 1);                         \
+    case 18: return (__typeof__(v))FC_G_HALF_PD(v, 2);                         \
+    case 19: return (__typeof__(v))FC_G_HALF_PD(v, 3);
 #elif FC_VBYTES == 32 && defined(__AVX__)
 #include <immintrin.h>
 #define FC_G_PERMUTE_PS(v, imm) _mm256_permute_ps((__m256)(v), imm)
@@ -310,6 +337,11 @@
 #include <emmintrin.h>
 #define FC_G_PERMUTE_PS(v, imm) _mm_shuffle_ps((__m128)(v), (__m128)(v), imm)
 #define FC_G_PERMUTE_PD(v, imm) _mm_shuffle_pd((__m128d)(v), (__m128d)(v), (imm) & 3)
+#endif
+
+#ifndef FC_G_HALF_CASES_f32
+#define FC_G_HALF_CASES_f32(v)
+#define FC_G_HALF_CASES_f64(v)
 #endif
 
 #ifdef FC_G_PERMUTE_PS
@@ -321,12 +353,14 @@
     case 17: return (__typeof__(v))FC_G_PERMUTE_PS(v, FC_G_IMM_PS(4, 1));      \
     case 18: return (__typeof__(v))FC_G_PERMUTE_PS(v, FC_G_IMM_PS(4, 2));      \
     case 19: return (__typeof__(v))FC_G_PERMUTE_PS(v, FC_G_IMM_PS(4, 3));      \
+    FC_G_HALF_CASES_f32(v)                                                     \
     default: break;                                                            \
     }
 #define FC_G_INLANE_f64(v, KG, i)                                              \
     switch ((KG) * 4 + (i)) {                                                  \
     case 8: return (__typeof__(v))FC_G_PERMUTE_PD(v, 0x00);                    \
     case 9: return (__typeof__(v))FC_G_PERMUTE_PD(v, 0xFF);                    \
+    FC_G_HALF_CASES_f64(v)                                                     \
     default: break;                                                            \
     }
 #else
