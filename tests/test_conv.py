@@ -966,6 +966,7 @@ def test_unknown_activation_is_refused(activation):
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2, padding_mode="reflect", padding=1)),
     ((1, 6, 6, 300), (40, 3, 3, 300), dict(padding="same")),          # channel-split k-blocks
     ((2, 7, 6, 12), (20, 1, 1, 12), {}),                              # gemm1x1: nothing packed
+    ((1, 3, 4, 40), (24, 1, 1, 40), dict(activation="relu")),         # 1x1, auto: implicit
     ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10)),       # depthwise: nothing packed
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -987,6 +988,18 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
         # bound that error): close, not bitwise.
         assert_close(auto(x), expected.astype(np.float64), dtype, w[0].size * 10,
                      "auto-packed")
+
+
+@pytest.mark.parametrize("N, H, C, OC, prepacked, expected", [
+    (1, 7, 2048, 512, False, "gemm1x1"),     # per call: one GEMM on the image
+    (1, 7, 2048, 512, True, "implicit"),     # packed once: 2048 > 2 x 49 pixels
+    (8, 7, 2048, 512, True, "implicit"),     # 2048 > 2 x 392
+    (1, 14, 256, 1024, True, "gemm1x1"),     # 256 < 2 x 196
+    (8, 56, 256, 64, True, "gemm1x1"),
+])
+def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
+    geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, H))
+    assert fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked) == expected
 
 
 def test_packed_weights_of_another_layer_are_refused():
