@@ -787,6 +787,41 @@ def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):
     assert_close(y_t, ref_t, dtype, taps * C, "transposed output")
 
 
+@pytest.mark.parametrize("x_shape, k", [
+    ((1, 14, 14, 320), 3),      # ~1 MFLOP, yet two threads (depthwise flops weigh 4x)
+    ((1, 13, 9, 200), 5),       # rows split unevenly; the generic row kernel
+])
+def test_depthwise_threads_give_identical_results(x_shape, k, request):
+    """Small depthwise layers get both threads: forward and grad_input
+    partition rows, so 2 threads reproduce 1 thread bit for bit; the weight
+    gradient sums per-thread partials (close, and the same run to run)."""
+    rng = np.random.default_rng(11)
+    C = x_shape[3]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C, k, k, 1)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    kwargs = dict(padding=k // 2, groups=C)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(1)
+    y1 = conv2d(x, w, b, **kwargs)
+    dy = rng.standard_normal(y1.shape).astype(np.float32)
+    gx1, gw1, _ = conv2d_backward(dy, x, w, **kwargs)
+    ref_y, ref_gx, ref_gw, _ = torch_grads(x, w, b, dy, **kwargs)
+    fastconv.set_num_threads(2)
+    gw_first = conv2d_backward(dy, x, w, **kwargs)[1]
+    assert_close(gw_first, ref_gw, np.float32, dy.size // C, "grad_weight, 2 threads")
+    for _ in range(10):
+        y2 = conv2d(x, w, b, **kwargs)
+        gx2, gw2, _ = conv2d_backward(dy, x, w, **kwargs)
+        np.testing.assert_array_equal(y2, y1)
+        np.testing.assert_array_equal(gx2, gx1)
+        np.testing.assert_array_equal(gw2, gw_first)
+    assert_close(y1, ref_y, np.float32, k * k, "output")
+    assert_close(gx1, ref_gx, np.float32, k * k, "grad_input")
+    assert_close(gw1, ref_gw, np.float32, dy.size // C, "grad_weight, 1 thread")
+
+
 # ------------------------------------------------------ narrow-group kernels
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)

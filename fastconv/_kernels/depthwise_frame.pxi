@@ -43,6 +43,11 @@ cdef enum:
     # Taps per kernel the pointer lists hold on the stack; larger kernels (or
     # channel multipliers) take the generic loops.
     MAX_DEPTHWISE_TAPS = 64
+    # threads_for weighs flops at GEMM speed; a depthwise flop costs about
+    # this many of them (one FMA per loaded value, memory-bound: 14x14x576
+    # b1 ran at 1/5 of the GEMM's single-core rate), so 2 MFLOP layers also
+    # get both threads.
+    DEPTHWISE_FLOP_COST = 4
 
 
 cdef inline void depthwise_taps(Py_ssize_t C, Py_ssize_t ntaps, const real** a,
@@ -211,7 +216,7 @@ cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
     # was applied (the 3x3 row kernel fuses it; the caller clamps y after
     # the other paths).
     cdef Py_ssize_t OC = g.C * mult
-    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef int nt = threads_for(2.0 * DEPTHWISE_FLOP_COST * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
     cdef Py_ssize_t row, n, oh, ow, kh, kw, ih, c
     cdef RowRange cols
     cdef real* yrow
@@ -255,7 +260,7 @@ cdef void depthwise_grad_input_nogil(const ConvGeom* g, Py_ssize_t mult,
                                      ImageStrides xs, int max_threads) noexcept nogil:
     # dx (zeroed by the caller) += the adjoint of the forward; dy contiguous.
     cdef Py_ssize_t OC = g.C * mult
-    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef int nt = threads_for(2.0 * DEPTHWISE_FLOP_COST * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
     cdef Py_ssize_t row, n, ih, kh, kw, t, oh, ow, iw, c, j
     cdef RowRange cols
     cdef const real* dyp
@@ -296,7 +301,7 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
                                      real* dw, int max_threads) noexcept nogil:
     # dw (KH, KW, OC), overwritten; dy contiguous.
     cdef Py_ssize_t OC = g.C * mult, taps = g.KH * g.KW * OC
-    cdef int nt = threads_for(2.0 * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
+    cdef int nt = threads_for(2.0 * DEPTHWISE_FLOP_COST * g.N * g.OH * g.OW * OC * g.KH * g.KW, max_threads)
     cdef real* partials = <real*>aligned_malloc(nt * taps * sizeof(real))
     if partials == NULL:
         return -1
