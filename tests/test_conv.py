@@ -1000,6 +1000,9 @@ def test_unknown_activation_is_refused(activation):
     ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1, activation="relu")),
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2, padding_mode="reflect", padding=1)),
     ((1, 6, 6, 300), (40, 3, 3, 300), dict(padding="same")),          # channel-split k-blocks
+    # one chunk, output channels split between threads: per call each
+    # thread packs its own share of every block (the last panel partial)
+    ((1, 7, 7, 300), (200, 3, 3, 300), dict(padding=1)),
     ((2, 7, 6, 12), (20, 1, 1, 12), {}),                              # gemm1x1: nothing packed
     ((1, 3, 4, 40), (24, 1, 1, 40), dict(activation="relu")),         # 1x1, auto: implicit
     ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10)),       # depthwise: nothing packed

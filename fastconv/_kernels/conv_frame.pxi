@@ -218,19 +218,23 @@ cdef void pack_b_blocks_into(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N
     # All of B (K x N), packed once into dst (packed_b_size elements): block
     # (jb, kb) -- k-block kb, columns jb*nc_blk.. -- at offset
     # (jb * n_kb + kb) * kc_max * nc_blk, its NR panels inside as
-    # pack_b_panel lays them.
+    # pack_b_panel lays them.  One task per NR columns, all k-blocks in
+    # order, so that a transposed B (conv weights) is read as NR long row
+    # streams: a task per k-block cut every row into KC-long pieces, too
+    # short for the hardware prefetchers.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb), n_jb = cdiv(N, nc_blk)
     cdef Py_ssize_t panels_per_blk = nc_blk // NR
     cdef Py_ssize_t t, jb, kb, jp, jc
-    for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
-        jb = t // (n_kb * panels_per_blk)
-        kb = (t // panels_per_blk) % n_kb
+    for t in prange(n_jb * panels_per_blk, num_threads=nt, schedule="static"):
+        jb = t // panels_per_blk
         jp = t % panels_per_blk
         jc = jb * nc_blk + jp * NR
         if jc < N:
-            pack_b_panel(blocks[kb].kc, min(NR, N - jc), b + blocks[kb].k0 * rsb + jc * csb,
-                         rsb, csb, dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
+            for kb in range(n_kb):
+                pack_b_panel(blocks[kb].kc, min(NR, N - jc), b + blocks[kb].k0 * rsb + jc * csb,
+                             rsb, csb,
+                             dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
 
 
 cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
@@ -353,11 +357,15 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* bpack, Py_ssize_t nc_blk,
                             Py_ssize_t js, Py_ssize_t n_js,
                             const real* bias, int act, real* y, Py_ssize_t rsy,
-                            bint stream) noexcept nogil:
+                            bint stream, const real* w, Py_ssize_t rsw,
+                            real* own_block) noexcept nogil:
     # y[segment pixels, share js of the output channels] = patches @ w.T (+
     # bias): the forward's macro-kernel.  Per k-block, each segment's A slice
     # stays in L1 while the NR panels of the block stream from L2.  stream:
     # y's full tiles go out with non-temporal stores (can_stream).
+    # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
+    # own_block is given, this task packs its share of each block of w into
+    # own_block (one block, kc_max x nc_blk) just before multiplying it.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t rsa = g.SW * xs.w
@@ -372,7 +380,14 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
         n_panels = cdiv(nc, NR)
         for kb in range(n_kb):
             blk = blocks + kb
-            bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
+            if own_block != NULL:
+                for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
+                    jr = jp * NR
+                    pack_b_panel(blk.kc, min(NR, nc - jr), w + blk.k0 + (jc + jr) * rsw,
+                                 1, rsw, own_block + jr * blk.kc)
+                bblk = own_block
+            else:
+                bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
             for si in range(nseg):
                 s = segs + si
                 for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
@@ -426,9 +441,6 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     for kh in range(g.KH):
         for kw in range(g.KW):
             tap_off[kh * g.KW + kw] = kh * g.DH * xs.h + kw * g.DW * xs.w
-    cdef real* bpack = <real*>prepacked
-    if prepacked == NULL:
-        bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     # Threads split the pixels (in chunks), or, when their micro-panels are
@@ -450,11 +462,26 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         R = m_panels * MR
         n_chunks = 1
     n_ic = n_chunks
+    # Weights packed per call: up front, shared by every chunk; or, with
+    # one chunk (every task owns a column share of all the pixels, as at
+    # batch 1 on 7x7 or 14x14), by each task, a block at a time, into a
+    # buffer of its own that the block's multiplications read from L2
+    # (packing up front wrote all of them out and read them back: 512->512
+    # @7 b1 took ~0.6 ms more than with prepacked weights).
+    cdef bint pack_own = prepacked == NULL and n_ic == 1
+    cdef Py_ssize_t own_size = max_block_depth(blocks, n_kb) * nc_blk
+    cdef real* bpack = <real*>prepacked
+    cdef real* own_blocks = NULL
+    if pack_own:
+        own_blocks = <real*>aligned_malloc(nt * own_size * sizeof(real))
+    elif prepacked == NULL:
+        bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
-    if bpack == NULL or bufs == NULL or seg_bufs == NULL:
+    if (bpack == NULL and own_blocks == NULL) or bufs == NULL or seg_bufs == NULL:
         if prepacked == NULL:
             aligned_free(bpack)
+            aligned_free(own_blocks)
         aligned_free(bufs)
         free(seg_bufs)
         free(blocks)
@@ -474,9 +501,11 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                              bufs + tid * R * ld, ld, seg_bufs + tid * R)
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
-                          task // n_ic, n_js, bias, act, y, rsy, stream)
+                          task // n_ic, n_js, bias, act, y, rsy, stream, w, rsw,
+                          own_blocks + tid * own_size if pack_own else NULL)
     if prepacked == NULL:
         aligned_free(bpack)
+        aligned_free(own_blocks)
     aligned_free(bufs)
     free(seg_bufs)
     free(blocks)
