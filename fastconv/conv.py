@@ -245,8 +245,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       channels in and out per group, see _is_narrow_grouped): kernels
       vectorised over channels;
     - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is
-      (auto with prepacked weights takes implicit instead when a group has
-      more than twice as many input channels as the image has pixels);
+      (auto takes implicit instead when a group has more than twice as many
+      input channels as the image has pixels);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications; see
       _winograd_pays for when auto takes it);
@@ -260,11 +260,15 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
         if _is_depthwise(groups, C) or _is_narrow_grouped(groups, C, OC, geo.kernel):
             return "direct"
         if _is_pointwise(geo, in_hw):
-            # With the weights packed once, implicit GEMM skips the per-call
-            # packing that gemm1x1 does, which pays where the weights outweigh
-            # the image (2048->512 @7 b1: 0.74 -> 0.58 ms; 256->1024 @14 b1,
-            # C = 1.3 pixels, is 10 % slower that way).
-            if prepacked and C // groups > 2 * N * in_hw[0] * in_hw[1]:
+            # Where the weights outweigh the image, implicit GEMM runs faster:
+            # with one chunk of pixels each thread packs its share of the
+            # weights a block at a time and multiplies it from L2 (gemm1x1
+            # packs all of B first), and prepacked weights it does not pack
+            # at all.  Measured per call, 2 threads: 2048->512 @7 b1 1.02-1.12x,
+            # 1024->2048 @7 b1 1.09-1.34x, 2048->512 @7 b8 (5.2 channels a
+            # pixel) 1.06x; 256->1024 @14 b1 (1.3) is 8 % slower that way.
+            # Prepacked: 2048->512 @7 b1 0.74 -> 0.58 ms.
+            if C // groups > 2 * N * in_hw[0] * in_hw[1]:
                 return "implicit"
             return "gemm1x1"
         if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):

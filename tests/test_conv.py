@@ -1029,10 +1029,11 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
 
 
 @pytest.mark.parametrize("N, H, C, OC, prepacked, expected", [
-    (1, 7, 2048, 512, False, "gemm1x1"),     # per call: one GEMM on the image
-    (1, 7, 2048, 512, True, "implicit"),     # packed once: 2048 > 2 x 49 pixels
+    (1, 7, 2048, 512, False, "implicit"),    # 2048 > 2 x 49 pixels
+    (1, 7, 2048, 512, True, "implicit"),
     (8, 7, 2048, 512, True, "implicit"),     # 2048 > 2 x 392
-    (1, 14, 256, 1024, True, "gemm1x1"),     # 256 < 2 x 196
+    (1, 14, 256, 1024, False, "gemm1x1"),    # 256 < 2 x 196: one GEMM on the image
+    (1, 14, 256, 1024, True, "gemm1x1"),
     (8, 56, 256, 64, True, "gemm1x1"),
 ])
 def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):

@@ -543,15 +543,18 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     cdef bint first
 
     if pack_all:
-        for t in prange(n_jb * n_kb * panels_per_blk, num_threads=nt, schedule="static"):
-            jblk = t // (n_kb * panels_per_blk)
-            pblk = (t // panels_per_blk) % n_kb
+        # A task per NR columns, every K block in order: a transposed B is
+        # then read as NR long row streams (see pack_b_blocks_into).
+        for t in prange(n_jb * panels_per_blk, num_threads=nt, schedule="static"):
+            jblk = t // panels_per_blk
             jp = t % panels_per_blk
             jc = jblk * nc_blk + jp * NR
-            pc = pblk * kc_blk
             if jc < N:
-                pack_b_panel(min(kc_blk, K - pc), min(NR, N - jc), b + pc * rsb + jc * csb,
-                             rsb, csb, bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
+                for pblk in range(n_kb):
+                    pc = pblk * kc_blk
+                    pack_b_panel(min(kc_blk, K - pc), min(NR, N - jc), b + pc * rsb + jc * csb,
+                                 rsb, csb,
+                                 bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
         for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
             ic = min(M, (task // n_js) * m_panels // n_ic * MR)
             ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
