@@ -367,6 +367,16 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         for c, oc in _group_slices(groups, C, OC):
             kernels.gemm(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx[..., c]), nt)
         return dx
+    if (_windows_disjoint(geo) and not _is_depthwise(groups, C)
+            and not _groups_in_parallel(groups, nt) and 0 not in in_shape and dy.size):
+        # Windows that do not overlap (1x1/2 downsampling, patchify stems):
+        # each input pixel gets its one tap's value or zero, so dx is written
+        # once, never zeroed first nor read.
+        dx = np.empty(in_shape, dy.dtype)
+        dy_rows = _unit_columns(_pixel_matrix(dy))
+        for c, oc in _group_slices(groups, C, OC):
+            kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt, True)
+        return dx
     dx = np.zeros(in_shape, dy.dtype)
     if dx.size == 0 or dy.size == 0:
         return dx
@@ -397,6 +407,12 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     for c, oc in _group_slices(groups, C, OC):
         kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt)
     return dx
+
+
+def _windows_disjoint(geo):
+    """No input pixel lies in two windows (or twice in one): the stride is
+    at least the dilated kernel's extent along both axes."""
+    return all(s >= (k - 1) * d + 1 for s, k, d in zip(geo.stride, geo.kernel, geo.dilation))
 
 
 def _flipped_geometry(geo, in_hw):

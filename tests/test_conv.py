@@ -553,6 +553,56 @@ def test_stride_larger_than_kernel_leaves_skipped_inputs_with_zero_gradient():
     assert np.all(gx[0][read] == 3) and np.all(gx[0][~read] == 0)
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("N, H, W, C, OC, k, s, d, pads", [
+    (2, 56, 56, 40, 24, (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),   # 1x1/2 downsampling
+    (1, 13, 11, 5, 7, (1, 1), (3, 2), (1, 1), ((0, 0), (0, 0))),     # odd sizes, uncovered edges
+    (1, 17, 16, 6, 9, (2, 2), (2, 2), (1, 1), ((0, 0), (0, 0))),     # patchify 2x2/2
+    (2, 10, 12, 3, 5, (3, 2), (3, 2), (1, 1), ((1, 0), (0, 1))),     # padded, asymmetric
+    (1, 15, 14, 4, 6, (2, 2), (3, 3), (2, 2), ((0, 2), (1, 0))),     # dilated, extent 3 = stride
+    (1, 9, 9, 300, 4, (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),     # C beyond one k-block
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_disjoint_windows_write_every_input_gradient_pixel(isa, N, H, W, C, OC, k, s, d, pads,
+                                                           dtype, request):
+    """Where windows do not overlap the input gradient is written, not
+    accumulated: every pixel once, by its one tap or with zero.  A NaN-filled
+    dx shows that none is left unwritten; torch is the reference."""
+    one_panel_chunks(request)       # chunk and band boundaries inside small images
+    rng = np.random.default_rng(C * OC + H)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, *k, C)).astype(dtype)
+    (top, bottom), (left, right) = pads
+    OH = (H + top + bottom - d[0] * (k[0] - 1) - 1) // s[0] + 1
+    OW = (W + left + right - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    dy = rng.standard_normal((N, OH, OW, OC)).astype(dtype)
+    xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
+    yt = torch_conv2d(xt, torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), None, s, pads,
+                      d, 1, "zeros")
+    yt.backward(torch.from_numpy(dy.transpose(0, 3, 1, 2).copy()))
+    expected = xt.grad.numpy().transpose(0, 2, 3, 1).astype(np.float64)
+    with fastconv._dispatch.use_isa(isa):
+        gx = conv2d_backward(dy, x, w, stride=s, padding=pads, dilation=d,
+                             output_mask=(True, False, False))[0]
+        assert_close(gx, expected, dtype, OC, "grad_input")
+        kernels = fastconv._dispatch.kernels
+        dx = np.full((N, H, W, C), np.nan, dtype)
+        kernels.conv2d_grad_input(dy.reshape(-1, OC), w.reshape(OC, -1), dx, k, s, d,
+                                  (top, left), (OH, OW), 2, True)
+        assert_close(dx, expected, dtype, OC, "grad_input, overwritten")
+
+
+def test_overwriting_input_gradient_of_overlapping_windows_is_refused():
+    # Overlapping windows add several taps into a pixel: overwriting would
+    # keep one of them.
+    dy = np.ones((3 * 3, 4), np.float32)
+    w = np.ones((4, 3 * 3 * 2), np.float32)
+    dx = np.zeros((1, 8, 8, 2), np.float32)
+    with pytest.raises(ValueError, match="overwrite"):
+        fastconv._dispatch.kernels.conv2d_grad_input(dy, w, dx, (3, 3), (2, 2), (1, 1), (0, 0),
+                                                     (3, 3), 1, True)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_empty_batch(layout):
     x = np.zeros(shaped((0, 6, 5, 4), layout), np.float32)

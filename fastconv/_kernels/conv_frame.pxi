@@ -121,10 +121,11 @@ cdef void im2col_rows(const ConvGeom* g, const real* x, ImageStrides xs,
 cdef void col2im_rows_add(const ConvGeom* g, const real* src, Py_ssize_t lds,
                           Py_ssize_t m0, Py_ssize_t m1,
                           Py_ssize_t ih0, Py_ssize_t ih1,
-                          real* dx, ImageStrides xs) noexcept nogil:
+                          real* dx, ImageStrides xs, bint overwrite) noexcept nogil:
     # The adjoint of im2col_rows for patch rows m0..m1, restricted to input
     # rows ih0..ih1: dx[n, ih, iw, :] += every tap that reads it.  Taps in the
-    # padding are dropped.
+    # padding are dropped.  overwrite (windows_disjoint layers only, where
+    # each pixel has at most one tap): dx[n, ih, iw, :] = that tap.
     cdef Py_ssize_t m, n, r, oh, ow, kh, kw, ih, iw, c
     cdef Py_ssize_t ohw = g.OH * g.OW
     cdef const real* s
@@ -144,9 +145,53 @@ cdef void col2im_rows_add(const ConvGeom* g, const real* src, Py_ssize_t lds,
                 iw = ow * g.SW - g.PL + kw * g.DW
                 if 0 <= iw < g.W:
                     d = dx + n * xs.n + ih * xs.h + iw * xs.w
-                    for c in range(g.C):
-                        d[c] += s[c]
+                    if overwrite:
+                        memcpy(d, s, g.C * sizeof(real))
+                    else:
+                        for c in range(g.C):
+                            d[c] += s[c]
                 s += g.C
+
+
+cdef inline bint windows_disjoint(const ConvGeom* g) noexcept nogil:
+    # No input pixel is read by two taps (a stride at least the dilated
+    # kernel's extent both ways: 1x1/2 downsampling, patchify stems): the
+    # input gradient is then a scatter, each pixel written at most once.
+    return g.SH >= (g.KH - 1) * g.DH + 1 and g.SW >= (g.KW - 1) * g.DW + 1
+
+
+cdef inline bint tap_reads(Py_ssize_t i, Py_ssize_t pad, Py_ssize_t K, Py_ssize_t D,
+                           Py_ssize_t S, Py_ssize_t O) noexcept nogil:
+    # Whether some tap k of some output o in [0, O) reads input index i
+    # (o*S - pad + k*D == i), along one axis.
+    cdef Py_ssize_t k, t
+    for k in range(K):
+        t = i + pad - k * D
+        if t >= 0 and t % S == 0 and t // S < O:
+            return True
+    return False
+
+
+cdef void zero_unread_pixels(const ConvGeom* g, Py_ssize_t n, Py_ssize_t ih0, Py_ssize_t ih1,
+                             real* dx, ImageStrides xs) noexcept nogil:
+    # Zero the pixels of image n, input rows ih0..ih1, that no tap reads
+    # (their gradient); with windows_disjoint the others are written once
+    # by col2im_rows_add(overwrite), so dx needs no zeroing pass.
+    cdef Py_ssize_t ih, iw
+    cdef real* row
+    cdef size_t pixel = g.C * sizeof(real)
+    for ih in range(ih0, ih1):
+        row = dx + n * xs.n + ih * xs.h
+        if not tap_reads(ih, g.PT, g.KH, g.DH, g.SH, g.OH):
+            if xs.w == g.C:
+                memset(row, 0, g.W * pixel)
+            else:
+                for iw in range(g.W):
+                    memset(row + iw * xs.w, 0, pixel)
+        else:
+            for iw in range(g.W):
+                if not tap_reads(iw, g.PL, g.KW, g.DW, g.SW, g.OW):
+                    memset(row + iw * xs.w, 0, pixel)
 
 
 cdef struct KBlock:
@@ -661,9 +706,11 @@ cdef inline Py_ssize_t bands_per_image(const ConvGeom* g, int nt) noexcept nogil
 
 cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsdy,
                                Py_ssize_t OC, const real* w, Py_ssize_t rsw,
-                               real* dx, ImageStrides xs,
+                               real* dx, ImageStrides xs, bint overwrite,
                                int max_threads) noexcept nogil:
-    # dx += col2im(dy @ w); dx must hold zeros (or what to add to).  Each
+    # dx += col2im(dy @ w); dx must hold zeros (or what to add to), or, with
+    # overwrite (windows_disjoint layers), anything: every pixel is then
+    # written once, by its one tap or with zero.  Each
     # task owns a band of input rows of one image and computes, chunk by
     # chunk, the patch rows whose taps reach its band, adding only into it:
     # no two threads ever write the same element.  Bands of one image
@@ -701,8 +748,10 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
             m1 = min(rows.hi, m0 + R)
             multiply_chunk(m1 - m0, blocks, n_kb, K, dy + m0 * rsdy, rsdy, 1, bpack,
                            nc_blk, 0, 1, buf, ld, 0, NULL)
-            col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs)
+            col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs, overwrite)
             m0 = m1
+        if overwrite:
+            zero_unread_pixels(g, n, ih0, ih1, dx, xs)
     aligned_free(bpack)
     aligned_free(bufs)
     free(blocks)
@@ -765,7 +814,7 @@ cdef void col2im_nogil(const ConvGeom* g, const real* cols, real* dx, ImageStrid
         ih0 = (task % bands) * g.H // bands
         ih1 = (task % bands + 1) * g.H // bands
         rows = band_patch_rows(g, n, ih0, ih1)
-        col2im_rows_add(g, cols + rows.lo * K, K, rows.lo, rows.hi, ih0, ih1, dx, xs)
+        col2im_rows_add(g, cols + rows.lo * K, K, rows.lo, rows.hi, ih0, ih1, dx, xs, False)
 
 
 # The Python entry points.  The facade (fastconv/conv.py) guarantees
@@ -889,21 +938,27 @@ def conv2d_grad_weight(const real[:, :, :, :] x, const real[:, :] dy, real[:, :]
 
 
 def conv2d_grad_input(const real[:, :] dy, const real[:, :] w, real[:, :, :, :] dx,
-                      kernel, stride, dilation, pad_before, out_hw, int num_threads):
-    """dx += col2im(dy @ w): dy (N*OH*OW, OC), w (OC, KH*KW*C), dx NHWC."""
+                      kernel, stride, dilation, pad_before, out_hw, int num_threads,
+                      bint overwrite=False):
+    """dx += col2im(dy @ w): dy (N*OH*OW, OC), w (OC, KH*KW*C), dx NHWC.
+    overwrite: dx = col2im(dy @ w), whatever dx held (only for layers whose
+    windows do not overlap: stride >= the dilated kernel extent)."""
     check_unit_stride(dy.shape[1], dy.strides[1], sizeof(real), "dy")
     check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
     check_unit_stride(dx.shape[3], dx.strides[3], sizeof(real), "dx")
     cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
                                 kernel, stride, dilation, pad_before, out_hw)
     check_pixel_rows(&g, dy.shape[0], dy.shape[1], w.shape[0], "dy")
+    if overwrite and not windows_disjoint(&g):
+        raise ValueError("conv2d_grad_input: overwrite needs windows that do not overlap "
+                         f"(stride {stride} below the dilated kernel {kernel}, {dilation})")
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(dx.strides[0], dx.strides[1], dx.strides[2], item)
     cdef int status
     with nogil:
         status = conv_grad_input_nogil(&g, &dy[0, 0], dy.strides[0] // item, dy.shape[1],
                                        &w[0, 0], w.strides[0] // item, &dx[0, 0, 0, 0], xs,
-                                       num_threads)
+                                       overwrite, num_threads)
     if status != 0:
         raise MemoryError("conv2d_backward: could not allocate the input-gradient workspace")
 

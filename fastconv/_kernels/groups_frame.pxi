@@ -110,7 +110,7 @@ def conv2d_grad_input_groups(const real[:, :] dy, const real[:, :] w, real[:, :,
             # (+= makes failed a reduction; a plain assignment in a prange
             # body would be lastprivate and could lose a failure.)
             failed += conv_grad_input_nogil(&g, dyp + gi * OCg, rsdy, OCg, wp + gi * OCg * rsw,
-                                            rsw, dxp + gi * Cg, xs, 1) != 0
+                                            rsw, dxp + gi * Cg, xs, False, 1) != 0
     if failed:
         raise MemoryError("conv2d_backward: could not allocate a group's workspace")
 
