@@ -972,6 +972,30 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
     assert_close(y, ref_y, dtype, k * k * C, "output")
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("kernel, stride, dilation, padding", [
+    ((3, 5), (2, 1), (2, 1), (2, 2)),   # rows dilated, taps along a row adjacent
+    ((5, 3), (1, 2), (1, 1), (1, 0)),   # blocks of whole kernel rows, strided columns
+    ((3, 3), (1, 1), (1, 2), (1, 2)),   # dilated along rows: taps stay separate
+])
+@pytest.mark.parametrize("pixels", ["dense", "channel slice"])
+def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, padding, pixels):
+    """With dense pixels and no dilation along rows, a kernel row's taps are
+    multiplied as one run of KW*C values; a channel slice of a wider image
+    (pixels further apart than C) or a row dilation keeps them apart."""
+    rng = np.random.default_rng(sum(kernel) + sum(stride))
+    wide = rng.standard_normal((2, 23, 21, 5 if pixels == "dense" else 8)).astype(np.float32)
+    x = wide[..., :5]
+    w = rng.standard_normal((40, *kernel, 5)).astype(np.float32)
+    kwargs = dict(stride=stride, dilation=dilation, padding=padding)
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, **kwargs, algorithm="implicit")
+    ref = F.conv2d(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))),
+                   torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), None, stride, padding,
+                   dilation).numpy().transpose(0, 2, 3, 1)
+    assert_close(y, ref.astype(np.float64), np.float32, w[0].size, "output")
+
+
 # ------------------------------------------------- algorithms and epilogues
 
 ALGORITHM_CASES = [
