@@ -222,6 +222,32 @@ def test_winograd_nan_and_inf_stay_in_their_tiles():
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("OC", [48, 37])        # whole panels; a partial last one
+def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request):
+    """Filters far larger than the caches are transformed with non-temporal
+    stores (forced here for small ones): the same values, for the forward
+    and for the input gradient (the flipped weight)."""
+    rng = np.random.default_rng(OC)
+    x = rng.standard_normal((2, 9, 10, 20)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, 20)).astype(dtype)
+    dy = rng.standard_normal((2, 9, 10, OC)).astype(dtype)
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (1, 1), (1, 1), (9, 10))
+    flipped = fastconv.conv._flipped_geometry(geo, (9, 10))
+
+    def forward_and_data_grad():
+        return (conv2d(x, w, padding=1, algorithm="winograd"),
+                fastconv.conv._winograd_data_grad(dy, w.reshape(OC, -1), 1, flipped, x.shape))
+
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        stored = forward_and_data_grad()
+        previous = kernels.set_winograd_stream_bytes(0)
+        request.addfinalizer(lambda: kernels.set_winograd_stream_bytes(previous))
+        for got, expected in zip(forward_and_data_grad(), stored):
+            np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 def test_packed_winograd_filters(isa):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 7, 7, 32)).astype(np.float32)

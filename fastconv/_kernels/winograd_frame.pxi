@@ -22,6 +22,8 @@ cdef extern from "winograd_kernel.h":
                            int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
     void fc_wino_filter_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
     void fc_wino_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter_nt_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter_nt_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
     void fc_wino_filter1_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
     void fc_wino_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
     enum:
@@ -48,6 +50,20 @@ cdef enum:
 
 # Bytes of V and M per chunk: a budget a test can shrink to force many chunks.
 cdef Py_ssize_t wino_chunk_bytes = 2 * 1024 * 1024
+# Transformed filters larger than this (half the L3 of the machines we
+# measure) are written with non-temporal stores: they would leave the caches
+# before the GEMMs read them, so a normal store's read for ownership is
+# wasted traffic.  A variable so that tests can drive that path.
+cdef Py_ssize_t wino_stream_bytes = 16 * 1024 * 1024
+
+
+def set_winograd_stream_bytes(Py_ssize_t nbytes):
+    """Set the size above which transformed filters are streamed (tests
+    only: not thread-safe); returns the previous value."""
+    global wino_stream_bytes
+    previous = wino_stream_bytes
+    wino_stream_bytes = max(0, nbytes)
+    return previous
 
 
 def set_winograd_chunk_bytes(Py_ssize_t nbytes):
@@ -135,6 +151,9 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # outermost instead scattered every store over 36 x (OC/NR) panels,
     # each a write-allocate miss (half of a per-call 256x256 layer).
     cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off
+    # Vector stores land on vector boundaries (dst is 64-byte aligned, panel
+    # rows are NR values, oc % NR a multiple of VL), as streaming needs.
+    cdef bint stream = WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real) > wino_stream_bytes
     for task in prange(n_panels * lay.n_kb, num_threads=nt, schedule="static"):
         jp = task // lay.n_kb
         kb = task % lay.n_kb
@@ -148,9 +167,19 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
                        + (c - blocks[kb].k0) * NR + oc % NR)
                 if oc + VL <= oc_end:
                     if real is float:
-                        fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                        if stream:
+                            fc_wino_filter_nt_f32(src + c * src_c + oc, src_t, dst + off,
+                                                  lay.point_size)
+                        else:
+                            fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off,
+                                               lay.point_size)
                     else:
-                        fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                        if stream:
+                            fc_wino_filter_nt_f64(src + c * src_c + oc, src_t, dst + off,
+                                                  lay.point_size)
+                        else:
+                            fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off,
+                                               lay.point_size)
                     oc = oc + VL
                 else:
                     if real is float:
@@ -158,6 +187,8 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
                     else:
                         fc_wino_filter1_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
                     oc = oc + 1
+        if stream:
+            fc_store_fence()
     aligned_free(wt)
     return 0
 

@@ -98,7 +98,9 @@
 
 /* The filter transform of one V of filters: tap t (row-major 3x3) of
  * them at w + t*ts -> their 36 values, point i at u + i*su. */
-#define FC_WINO_FILTER_STEP(T, V)                                               \
+#define FC_WINO_STORE(u, v) memcpy((u), &(v), sizeof(v))
+#define FC_WINO_FILTER_STEP(T, V) FC_WINO_FILTER_STEP_STORE(T, V, FC_WINO_STORE)
+#define FC_WINO_FILTER_STEP_STORE(T, V, STORE)                                  \
     {                                                                           \
         V g_[3][3], t_[6][3], col_[3], out_[6];                                 \
         FC_UNROLL for (int r = 0; r < 3; r++)                                   \
@@ -112,7 +114,7 @@
         FC_UNROLL for (int r = 0; r < 6; r++) {                                 \
             FC_WINO_G(T, t_[r], out_);                                          \
             FC_UNROLL for (int s = 0; s < 6; s++)                               \
-                memcpy(u + (r * 6 + s) * su, &out_[s], sizeof(V));              \
+                STORE(u + (r * 6 + s) * su, out_[s]);                           \
         }                                                                       \
     }
 
@@ -194,6 +196,13 @@
     static inline void fc_wino_filter_##SUFFIX(                                 \
         const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
     FC_WINO_FILTER_STEP(T, fc_vec_##SUFFIX)                                     \
+                                                                                \
+    /* The same with non-temporal stores, u vector-aligned: for filters   \
+       far larger than the caches (36 x 512 x 512 floats: 38 MB per call),  \
+       whose lines would be read for ownership, then evicted unread. */     \
+    static inline void fc_wino_filter_nt_##SUFFIX(                              \
+        const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
+    FC_WINO_FILTER_STEP_STORE(T, fc_vec_##SUFFIX, FC_STREAM_##SUFFIX)           \
                                                                                 \
     static inline void fc_wino_filter1_##SUFFIX(                                \
         const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
