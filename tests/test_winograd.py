@@ -236,8 +236,11 @@ def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request):
     flipped = fastconv.conv._flipped_geometry(geo, (9, 10))
 
     def forward_and_data_grad():
+        # PackedConv2d's filters live in a NumPy array, which need not be
+        # vector-aligned (streaming is skipped then, never misaligned).
         return (conv2d(x, w, padding=1, algorithm="winograd"),
-                fastconv.conv._winograd_data_grad(dy, w.reshape(OC, -1), 1, flipped, x.shape))
+                fastconv.conv._winograd_data_grad(dy, w.reshape(OC, -1), 1, flipped, x.shape),
+                fastconv.PackedConv2d(w, padding=1, algorithm="winograd")(x))
 
     with fastconv._dispatch.use_isa(isa) as kernels:
         stored = forward_and_data_grad()

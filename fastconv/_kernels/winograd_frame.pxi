@@ -151,9 +151,13 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # outermost instead scattered every store over 36 x (OC/NR) panels,
     # each a write-allocate miss (half of a per-call 256x256 layer).
     cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off
-    # Vector stores land on vector boundaries (dst is 64-byte aligned, panel
-    # rows are NR values, oc % NR a multiple of VL), as streaming needs.
-    cdef bint stream = WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real) > wino_stream_bytes
+    # Streaming stores need vector-aligned addresses: those of the vector
+    # steps are when dst is (panel rows are NR values, oc % NR is a multiple
+    # of VL, points point_size apart); a workspace block always is, a NumPy
+    # array (PackedConv2d's filters) not necessarily.
+    cdef bint stream = (WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real) > wino_stream_bytes
+                        and (<size_t>dst) % VBYTES == 0
+                        and (lay.point_size * <Py_ssize_t>sizeof(real)) % VBYTES == 0)
     for task in prange(n_panels * lay.n_kb, num_threads=nt, schedule="static"):
         jp = task // lay.n_kb
         kb = task % lay.n_kb
