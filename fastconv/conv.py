@@ -368,6 +368,7 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
             kernels.gemm(1.0, dy_rows[:, oc], w2d[oc], 0.0, _pixel_matrix(dx[..., c]), nt)
         return dx
     if (_windows_disjoint(geo) and not _is_depthwise(groups, C)
+            and not _is_narrow_grouped(groups, C, OC, geo.kernel)
             and not _groups_in_parallel(groups, nt) and 0 not in in_shape and dy.size):
         # Windows that do not overlap (1x1/2 downsampling, patchify stems):
         # each input pixel gets its one tap's value or zero, so dx is written
