@@ -293,6 +293,24 @@ def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
         np.testing.assert_array_equal(c, c0)              # c untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_transposed_a_every_panel_width(isa, dtype):
+    # A.T is copied into row-major slices by register transposes of whole
+    # and half squares, the rest one value at a time: M from 2 to 30 gives
+    # every slice width of every build (MR 6, 12, 14), and K = 45 leaves
+    # rows past the last square.  Each row of A.T is followed by NaN, so a
+    # copy that reads past its slice poisons C.
+    N, K = 33, 45
+    for M in range(2, 31):
+        rng = rng_for("at widths", isa, dtype_id(dtype), M)
+        base = np.full((K, M + 9), np.nan, dtype)
+        base[:, :M] = randn(rng, (K, M), dtype)
+        at = base[:, :M]
+        b = randn(rng, (K, N), dtype)
+        got = GEMM[dtype](1.0, at, b, trans_a=True)
+        check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
+
+
 # ------------------------------------- strided / negative-stride operands
 
 @pytest.mark.parametrize("b_layout", LAYOUTS)

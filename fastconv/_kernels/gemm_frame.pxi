@@ -47,6 +47,10 @@ cdef extern from "micro_kernel.h":
                         float* dst) noexcept nogil
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
+    void fc_copy_at_panel_f32(Py_ssize_t mr, Py_ssize_t kc, const float* a, Py_ssize_t csa,
+                              float* dst, Py_ssize_t ld) noexcept nogil
+    void fc_copy_at_panel_f64(Py_ssize_t mr, Py_ssize_t kc, const double* a, Py_ssize_t csa,
+                              double* dst, Py_ssize_t ld) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
     void fc_prefetch_rows(const void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
                           Py_ssize_t row_bytes) noexcept nogil
@@ -346,8 +350,13 @@ cdef void copy_a_panel(Py_ssize_t mr, Py_ssize_t kc, const real* a,
         for i in range(mr):
             for p in range(kc):
                 dst[i * ld + p] = a[i * rsa + p]
+    elif rsa == 1:
+        # A.T views: transposed in registers, squares at a time.
+        if real is float:
+            fc_copy_at_panel_f32(mr, kc, a, csa, dst, ld)
+        else:
+            fc_copy_at_panel_f64(mr, kc, a, csa, dst, ld)
     else:
-        # Read along whichever axis is contiguous (rsa == 1 for A.T views).
         for p in range(kc):
             for i in range(mr):
                 dst[i * ld + p] = a[i * rsa + p * csa]

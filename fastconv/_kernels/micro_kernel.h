@@ -197,6 +197,75 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
     }
 }
 
+/* Half squares (4x4 floats, 2x2 doubles: 16 bytes a row), for the columns
+ * of a panel copy that a whole square would overrun. */
+typedef float fc_v4sf __attribute__((vector_size(16)));
+typedef double fc_v2df __attribute__((vector_size(16)));
+#if defined(__clang__)
+#define FC_SHUF4F(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#define FC_SHUF2D(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+typedef int fc_v4si __attribute__((vector_size(16)));
+typedef long long fc_v2di __attribute__((vector_size(16)));
+#define FC_SHUF4F(a, b, ...) __builtin_shuffle((a), (b), (fc_v4si){__VA_ARGS__})
+#define FC_SHUF2D(a, b, ...) __builtin_shuffle((a), (b), (fc_v2di){__VA_ARGS__})
+#endif
+
+static inline void fc_transpose_hsq_f32(const float *src, ptrdiff_t lds,
+                                        float *dst, ptrdiff_t ldd)
+{
+    fc_v4sf r[4], t[4], o;
+    for (int i = 0; i < 4; i++) memcpy(&r[i], src + i * lds, 16);
+    t[0] = FC_SHUF4F(r[0], r[1], 0, 4, 1, 5);
+    t[1] = FC_SHUF4F(r[0], r[1], 2, 6, 3, 7);
+    t[2] = FC_SHUF4F(r[2], r[3], 0, 4, 1, 5);
+    t[3] = FC_SHUF4F(r[2], r[3], 2, 6, 3, 7);
+    o = FC_SHUF4F(t[0], t[2], 0, 1, 4, 5); memcpy(dst, &o, 16);
+    o = FC_SHUF4F(t[0], t[2], 2, 3, 6, 7); memcpy(dst + ldd, &o, 16);
+    o = FC_SHUF4F(t[1], t[3], 0, 1, 4, 5); memcpy(dst + 2 * ldd, &o, 16);
+    o = FC_SHUF4F(t[1], t[3], 2, 3, 6, 7); memcpy(dst + 3 * ldd, &o, 16);
+}
+
+static inline void fc_transpose_hsq_f64(const double *src, ptrdiff_t lds,
+                                        double *dst, ptrdiff_t ldd)
+{
+    fc_v2df r0, r1, o;
+    memcpy(&r0, src, 16);
+    memcpy(&r1, src + lds, 16);
+    o = FC_SHUF2D(r0, r1, 0, 2); memcpy(dst, &o, 16);
+    o = FC_SHUF2D(r0, r1, 1, 3); memcpy(dst + ldd, &o, 16);
+}
+
+/* dst[i*ld + p] = a[p*csa + i] for i < mr, p < kc: an MR x kc slice of a
+ * transposed view (A.T, the output gradient in a weight gradient) copied
+ * row-major for the micro-kernel.  Read one scalar at a time, the copy of
+ * a 1x1 layer's dy^T (64->256 @56 batch 8: 6.4 M values) took about a
+ * third of its weight gradient; whole and half squares in registers move
+ * all of an MR = 12, 6 or 14 slice but for 2 columns of 14. */
+#define FC_DEFINE_COPY_AT_PANEL(SUFFIX, T)                                      \
+    static inline void fc_copy_at_panel_##SUFFIX(ptrdiff_t mr, ptrdiff_t kc,   \
+                                                 const T *a, ptrdiff_t csa,     \
+                                                 T *restrict dst, ptrdiff_t ld) \
+    {                                                                           \
+        enum { SQ = 32 / sizeof(T), HSQ = SQ / 2 };                             \
+        ptrdiff_t p = 0, i;                                                     \
+        for (; p + SQ <= kc; p += SQ) {                                         \
+            const T *src = a + p * csa;                                         \
+            for (i = 0; i + SQ <= mr; i += SQ)                                  \
+                fc_transpose_sq_##SUFFIX(src + i, csa, dst + i * ld + p, ld);   \
+            for (; i + HSQ <= mr; i += HSQ)                                     \
+                for (int q = 0; q < SQ; q += HSQ)                               \
+                    fc_transpose_hsq_##SUFFIX(src + q * csa + i, csa,           \
+                                              dst + i * ld + p + q, ld);        \
+            for (; i < mr; i++)                                                 \
+                for (int q = 0; q < SQ; q++)                                    \
+                    dst[i * ld + p + q] = src[q * csa + i];                     \
+        }                                                                       \
+        for (; p < kc; p++)                                                     \
+            for (i = 0; i < mr; i++)                                            \
+                dst[i * ld + p] = a[p * csa + i];                               \
+    }
+
 /* Pack NR columns of B = W^T, where W's rows (B's columns) are contiguous:
  * dst[p*NR + j] = b[j*csb + p] for j < nr, zero for nr <= j < NR.  Conv
  * weights (OC x K rows) reach the GEMM this way.  Reading one element of
@@ -379,6 +448,8 @@ FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
 FC_DEFINE_TRANSPOSE_BLOCK(f32, float)
 FC_DEFINE_TRANSPOSE_BLOCK(f64, double)
+FC_DEFINE_COPY_AT_PANEL(f32, float)
+FC_DEFINE_COPY_AT_PANEL(f64, double)
 FC_DEFINE_DOT(f64, double)
 FC_DEFINE_STREAM_ROW(f32, float, int)
 FC_DEFINE_STREAM_ROW(f64, double, long long)
