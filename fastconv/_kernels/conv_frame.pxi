@@ -421,6 +421,12 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef const real* bblk
     cdef const KBlock* blk
     cdef const Segment* s
+    cdef real* yt
+    cdef real* out
+    cdef const real* tile_bias
+    cdef const real* out_bias
+    cdef Py_ssize_t rso
+    cdef int flags, tile_act, out_act
     # With dense pixels and no dilation along rows, a kernel row's taps are
     # one run of KW*C values in the image: a block of whole kernel rows is
     # read as one run per row (7x7 over RGB: 7 runs of 21 instead of 49 of
@@ -453,23 +459,36 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                 s = segs + si
                 for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
                     jr = jp * NR
+                    yt = y + s.m0 * rsy + jc + jr
+                    tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
+                    tile_act = act if kb == n_kb - 1 else ACT_NONE
+                    # Finished by the kernel into y, or into acc for write_tile.
+                    flags = tile_out_flags(min(NR, nc - jr), NR, yt, 1, <real>1, <real>0,
+                                           kb == 0, stream)
+                    if flags >= 0:
+                        out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
+                    else:
+                        out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
                     if s.interior:
                         if real is float:
-                            fc_taps_kernel_f32(s.mr, n_runs, run_off, run_len,
-                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc, acc)
+                            fc_taps_kernel_out_f32(s.mr, n_runs, run_off, run_len,
+                                                   x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
+                                                   out, rso, flags, out_bias, out_act)
                         else:
-                            fc_taps_kernel_f64(s.mr, n_runs, run_off, run_len,
-                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc, acc)
+                            fc_taps_kernel_out_f64(s.mr, n_runs, run_off, run_len,
+                                                   x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
+                                                   out, rso, flags, out_bias, out_act)
                     elif real is float:
-                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                            bblk + jr * blk.kc, acc)
+                        fc_micro_kernel_out_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
+                                                bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                                out_act)
                     else:
-                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                            bblk + jr * blk.kc, acc)
-                    write_tile(acc, NR, y + s.m0 * rsy + jc + jr, rsy, 1, s.mr,
-                               min(NR, nc - jr), 1, 0, kb == 0,
-                               NULL if bias == NULL else bias + jc + jr,
-                               act if kb == n_kb - 1 else ACT_NONE, stream)
+                        fc_micro_kernel_out_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
+                                                bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                                out_act)
+                    if out == acc:
+                        write_tile(acc, NR, yt, rsy, 1, s.mr, min(NR, nc - jr), 1, 0, kb == 0,
+                                   tile_bias, tile_act, stream)
     if stream:
         fc_store_fence()
 

@@ -42,6 +42,23 @@ cdef extern from "micro_kernel.h":
     void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
                             const double* a0, Py_ssize_t rsa, const double* b,
                             double* acc) noexcept nogil
+    enum:
+        OUT_ADD "FC_OUT_ADD"
+        OUT_STREAM "FC_OUT_STREAM"
+    void fc_micro_kernel_out_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
+                                 const float* b, float* out, Py_ssize_t rso, int flags,
+                                 const float* bias, int act) noexcept nogil
+    void fc_micro_kernel_out_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
+                                 const double* b, double* out, Py_ssize_t rso, int flags,
+                                 const double* bias, int act) noexcept nogil
+    void fc_taps_kernel_out_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off,
+                                Py_ssize_t kc, const float* a0, Py_ssize_t rsa,
+                                const float* b, float* out, Py_ssize_t rso, int flags,
+                                const float* bias, int act) noexcept nogil
+    void fc_taps_kernel_out_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off,
+                                Py_ssize_t kc, const double* a0, Py_ssize_t rsa,
+                                const double* b, double* out, Py_ssize_t rso, int flags,
+                                const double* bias, int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil
@@ -236,6 +253,20 @@ cdef inline void write_tile(const real* acc, Py_ssize_t nr_full,
         store_tile(acc, nr_full, c, rsc, csc, mr, nr, alpha, beta, first, bias, act)
 
 
+cdef inline int tile_out_flags(Py_ssize_t nr, Py_ssize_t nr_full, const real* c,
+                               Py_ssize_t csc, real alpha, real beta, bint first,
+                               bint stream) noexcept nogil:
+    # The flags with which a micro-kernel finishes this tile straight into
+    # C (fc_micro_kernel_out: full width, unit column stride, alpha 1, beta
+    # 0 or a later K block), streamed as write_tile would; -1 for a tile
+    # that goes through a stack tile and write_tile.
+    if nr != nr_full or csc != 1 or alpha != 1 or (first and beta != 0):
+        return -1
+    if stream and (<size_t>c) % 64 == 0:
+        return OUT_STREAM
+    return 0 if first else OUT_ADD
+
+
 cdef inline void clamp_tile(real* c, Py_ssize_t rsc, Py_ssize_t csc, Py_ssize_t mr,
                             Py_ssize_t nr, int act) noexcept nogil:
     # relu: max(v, 0); relu6: min(max(v, 0), 6).  NaN stays NaN, as in torch.
@@ -400,6 +431,12 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef const real* ap
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
+    cdef Py_ssize_t rso
+    cdef real* out
+    # write_tile adds the bias with the first K block only.
+    cdef const real* tile_bias = bias if first else NULL
+    cdef const real* out_bias
+    cdef int flags, out_act
     for ip in range(cdiv(mc, MR)):
         ir = ip * MR
         mr = min(MR, mc - ir)
@@ -417,12 +454,21 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         for jp in range(jp0, jp1):
             jr = jp * NR
             ct = c + ir * rsc + jr * csc
-            if real is float:
-                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, acc)
+            # Finished by the kernel into C, or into acc for write_tile.
+            flags = tile_out_flags(min(NR, nc - jr), NR, ct, csc, alpha, beta, first, stream)
+            if flags >= 0:
+                out, rso, out_bias, out_act = ct, rsc, (tile_bias + jr if tile_bias != NULL else NULL), act
             else:
-                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, acc)
-            write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
-                       NULL if bias == NULL else bias + jr, act, stream)
+                out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
+            if real is float:
+                fc_micro_kernel_out_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                        out_bias, out_act)
+            else:
+                fc_micro_kernel_out_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                        out_bias, out_act)
+            if out == acc:
+                write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
+                           NULL if bias == NULL else bias + jr, act, stream)
     if stream:
         fc_store_fence()
 

@@ -31,9 +31,9 @@
 #define FC_UNROLL FC_PRAGMA(GCC unroll 64)
 #endif
 
-/* acc = A (R x K) @ B_panel (K x NR).  A is never packed: row i of A is
- * read in place, ntaps runs of kc contiguous values each, run t starting at
- * a0 + i*rsa + tap_off[t].
+/* out = A (R x K) @ B_panel (K x NR), finished in registers.  A is never
+ * packed: row i of A is read in place, ntaps runs of kc contiguous values
+ * each, run t starting at a0 + i*rsa + tap_off[t].
  *
  * - A plain GEMM has one run (ntaps = 1, offset 0): row-major A, rows rsa
  *   apart.  Packing a row-major A into k-major panels would be a transpose
@@ -44,11 +44,24 @@
  *   stride apart, and each tap is one more offset into the image (valid
  *   where no tap of the R pixels falls in the padding).
  *
+ * The R x NR result goes to out (rows rso apart): added to what is there
+ * (FC_OUT_ADD), plus bias[0:NR] when bias is given, clamped by act (1 relu,
+ * 2 relu6; masks, so NaN stays NaN), with non-temporal stores when
+ * FC_OUT_STREAM (out and rso vector-aligned).  Straight from the
+ * accumulators: storing them to a stack tile for the frame to add to C
+ * cost ~6 % of a K = 27 or 64 product (VGG conv1_1, 1x1 64->256).  A
+ * frame with a tile it cannot finish so (partial, alpha, beta, strided C)
+ * passes a stack tile (out = acc, rso = NR, no flags) and finishes it.
+ *
  * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
  * one.  Kernels with R above the build's MR are never called. */
-#define FC_KERNEL_BODY(T, VEC, MR, NR)                                           \
+enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
+
+#define FC_KERNEL_BODY(SUFFIX, T, MR, NR)                                       \
     {                                                                           \
+        typedef fc_vec_##SUFFIX VEC;                                            \
+        typedef fc_ivec_##SUFFIX IVEC;                                          \
         enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
         VEC c[MR][NV];                                                          \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
@@ -70,20 +83,45 @@
                 b += (NR);                                                      \
             }                                                                   \
         }                                                                       \
+        const VEC zero = {0}, six = zero + 6;                                   \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
-            FC_UNROLL for (int j = 0; j < NV; j++)                              \
-                memcpy(acc + i * (NR) + j * VL, &c[i][j], FC_VBYTES);           \
+            FC_UNROLL for (int j = 0; j < NV; j++) {                            \
+                T *o = out + i * rso + j * VL;                                  \
+                VEC v = c[i][j], w;                                             \
+                if (flags & FC_OUT_ADD) {                                       \
+                    memcpy(&w, o, FC_VBYTES);                                   \
+                    v = w + v;                                                  \
+                }                                                               \
+                if (bias) {                                                     \
+                    memcpy(&w, bias + j * VL, FC_VBYTES);                       \
+                    v = v + w;                                                  \
+                }                                                               \
+                if (act) {                                                      \
+                    IVEC neg = v < zero;                                        \
+                    v = (VEC)((IVEC)v & ~neg);                                  \
+                }                                                               \
+                if (act == 2) {                                                 \
+                    IVEC big = v > six;                                         \
+                    v = (VEC)(((IVEC)v & ~big) | ((IVEC)six & big));            \
+                }                                                               \
+                if (flags & FC_OUT_STREAM)                                      \
+                    FC_STREAM_##SUFFIX(o, v);                                   \
+                else                                                            \
+                    memcpy(o, &v, FC_VBYTES);                                   \
+            }                                                                   \
     }
 
 #define FC_DEFINE_ROWS_KERNEL(SUFFIX, T, R, NR)                                  \
     static inline void fc_taps_kernel_##SUFFIX##_##R(                           \
         ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,                \
         const T *restrict a0, ptrdiff_t rsa, const T *restrict b,               \
-        T *restrict acc)                                                        \
-    FC_KERNEL_BODY(T, fc_vec_##SUFFIX, R, NR)
+        T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
+        int act)                                                                \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR)
 
 #define FC_ROWS_CASE(SUFFIX, T, R, NR)                                           \
-    case R: fc_taps_kernel_##SUFFIX##_##R(ntaps, tap_off, kc, a0, rsa, b, acc); break;
+    case R: fc_taps_kernel_##SUFFIX##_##R(ntaps, tap_off, kc, a0, rsa, b, out, rso, \
+                                          flags, bias, act); break;
 
 #define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
     X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
@@ -93,20 +131,39 @@
     X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
     X(SUFFIX, T, 16, NR)
 
-#define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, NR)                                   \
+/* fc_taps_kernel_out / fc_micro_kernel_out finish the tile into out (see
+ * above); fc_taps_kernel / fc_micro_kernel store it to acc (R x NR,
+ * row-major) for the caller. */
+#define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, IT, NR)                               \
     typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
+    typedef IT fc_ivec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));        \
     FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
+    static inline void fc_taps_kernel_out_##SUFFIX(                             \
+        int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
+        const T *a0, ptrdiff_t rsa, const T *b, T *out, ptrdiff_t rso,          \
+        int flags, const T *bias, int act)                                      \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
+    }                                                                           \
     static inline void fc_taps_kernel_##SUFFIX(                                 \
         int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
         const T *a0, ptrdiff_t rsa, const T *b, T *acc)                         \
     {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
+        fc_taps_kernel_out_##SUFFIX(mr, ntaps, tap_off, kc, a0, rsa, b, acc,    \
+                                    (NR), 0, NULL, 0);                          \
+    }                                                                           \
+    static inline void fc_micro_kernel_out_##SUFFIX(                            \
+        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *out,    \
+        ptrdiff_t rso, int flags, const T *bias, int act)                       \
+    {                                                                           \
+        static const ptrdiff_t no_offset = 0;                                   \
+        fc_taps_kernel_out_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, out, rso, \
+                                    flags, bias, act);                          \
     }                                                                           \
     static inline void fc_micro_kernel_##SUFFIX(                                \
         int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *acc)    \
     {                                                                           \
-        static const ptrdiff_t no_offset = 0;                                   \
-        fc_taps_kernel_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, acc);         \
+        fc_micro_kernel_out_##SUFFIX(mr, kc, a, rsa, b, acc, (NR), 0, NULL, 0); \
     }
 
 /* sum_k a[k] * x[k] over n contiguous values: four vector accumulators
@@ -441,8 +498,8 @@ static inline void fc_store_fence(void)
 #if FC_S_MR > 16 || FC_D_MR > 16
 #error "micro-kernels exist for at most 16 rows"
 #endif
-FC_DEFINE_MICRO_KERNELS(f32, float, FC_S_NR)
-FC_DEFINE_MICRO_KERNELS(f64, double, FC_D_NR)
+FC_DEFINE_MICRO_KERNELS(f32, float, int, FC_S_NR)
+FC_DEFINE_MICRO_KERNELS(f64, double, long long, FC_D_NR)
 FC_DEFINE_DOT(f32, float)
 FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
