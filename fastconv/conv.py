@@ -289,19 +289,45 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
     return algorithm
 
 
-def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, packed=None):
+def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, packed=None,
+             residual=None):
     """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias,
-    then the activation.  packed: None, or a callable giving the packed
-    weights for (kernels, group, algorithm)."""
+    + residual (None or an array of the result's shape), then the
+    activation.  packed: None, or a callable giving the packed weights for
+    (kernels, group, algorithm)."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
     algorithm = _choose_algorithm(algorithm, groups, C, OC, N, geo, x.shape[1:3],
                                   packed is not None)
-    act = _ACTIVATIONS[activation]
     y = empty_aligned((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y
+    nt = get_num_threads()
+    # The GEMM paths add a residual in their epilogue, before the
+    # activation: y starts as a copy of it and they accumulate onto it
+    # (ResNet's relu(conv(x) + shortcut): no sum array, no separate add and
+    # relu passes).  The direct kernels and an empty x add it afterwards.
+    fused = residual is None or (
+        x.size != 0 and algorithm != "direct"
+        and not (_groups_in_parallel(groups, nt) and algorithm in ("implicit", "winograd")))
+    if residual is not None and fused:
+        np.copyto(y, residual)
+    if not fused:
+        _forward_into(y, x, w2d, groups, geo, bias, algorithm, None, packed, False)
+        y += residual
+        return _activate(y, activation)
+    _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed,
+                  residual is not None)
+    return y
+
+
+def _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed, accumulate):
+    """y = act(conv(x) (+ bias) (+ y when accumulate)), algorithm chosen;
+    accumulate only on the GEMM paths (see _forward)."""
+    C, K = x.shape[3], w2d.shape[1]
+    OC = w2d.shape[0]
+    act = _ACTIVATIONS[activation]
     if x.size == 0:
         # No input pixel (every tap is padding) or no input channel.
         y[...] = 0 if bias is None else bias
@@ -321,22 +347,25 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             x, w2d, bias, y_rows, groups, *geo, nt, act, algorithm == "winograd",
             None if packed is None else [packed(kernels, g, algorithm) for g in range(groups)])
         return y
+    beta = 1.0 if accumulate else 0.0
     for g, (c, oc) in enumerate(_group_slices(groups, C, OC)):
         b = None if bias is None else bias[oc]
         if algorithm == "gemm1x1":
-            kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
+            kernels.gemm(1.0, _pixel_matrix(x[..., c]), w2d[oc].T, beta, y_rows[:, oc], nt, b,
+                         act)
         elif algorithm == "im2col":
             cols = np.empty((y_rows.shape[0], K), x.dtype)
             kernels.im2col(x[..., c], cols, *geo, nt)
-            kernels.gemm(1.0, cols, w2d[oc].T, 0.0, y_rows[:, oc], nt, b, act)
+            kernels.gemm(1.0, cols, w2d[oc].T, beta, y_rows[:, oc], nt, b, act)
         elif algorithm == "winograd":
             kernels.conv2d_winograd(x[..., c], w2d[oc], b, y_rows[:, oc], geo.pad_before,
                                     geo.out_hw, nt, act,
                                     None if packed is None else packed(kernels, g, algorithm),
-                                    dilation=geo.dilation)
+                                    dilation=geo.dilation, accumulate=accumulate)
         else:
             kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act,
-                                   None if packed is None else packed(kernels, g, algorithm))
+                                   None if packed is None else packed(kernels, g, algorithm),
+                                   accumulate)
     return y
 
 
@@ -503,6 +532,10 @@ class _Conv(NamedTuple):
         padding is zeros, with contiguous channels."""
         return _channels_last(_pad(self.x, self.pads, self.padding_mode))
 
+    def out_shape(self):
+        """The result's NHWC shape."""
+        return (self.x.shape[0], *self.geo.out_hw, self.weight.shape[0])
+
     def padded_shape(self):
         if self.padding_mode == "zeros":
             return self.x.shape
@@ -530,6 +563,21 @@ def _check_bias(bias, dtype, channels):
     if bias.shape != (channels,):
         raise ValueError(f"bias must have shape ({channels},); got {bias.shape}")
     return np.ascontiguousarray(bias)  # the kernels add it from contiguous memory
+
+
+def _check_residual(residual, dtype, nhwc_shape, layout):
+    """residual as an NHWC view (None stays None): conv2d's result shape
+    in the caller's layout, the dtype of x."""
+    if residual is None:
+        return None
+    r = _args.float_array(residual, "residual", 4)
+    _args.same_dtype(r, "residual", dtype)
+    r = _to_nhwc(r, layout)
+    if r.shape != tuple(nhwc_shape):
+        raise ValueError(f"residual must have the result's shape "
+                         f"{_shape_from_nhwc(nhwc_shape, layout)}; "
+                         f"got {_shape_from_nhwc(r.shape, layout)}")
+    return r
 
 
 def _check_activation(activation):
@@ -656,7 +704,8 @@ def col2im(cols, input_shape, kernel_size, stride=1, padding=0, dilation=1):
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
-           padding_mode="zeros", layout="NHWC", algorithm="auto", activation=None):
+           padding_mode="zeros", layout="NHWC", algorithm="auto", activation=None,
+           residual=None):
     """2-D convolution (cross-correlation), torch.nn.functional.conv2d semantics.
 
     layout="NHWC": x (N, H, W, C), weight (OC, KH, KW, C/groups), result
@@ -680,15 +729,21 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     and a NaN or inf in an input window spreads over its whole 4x4 output
     tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
-    still in cache.
+    still in cache.  residual: None, or an array of the result's shape and
+    dtype added before the activation (ResNet's relu(conv(x) + shortcut));
+    the GEMM and Winograd paths add it in the same epilogue.
     """
     c = _conv_setup(x, weight, stride, padding, dilation, groups, padding_mode, layout)
     bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
     algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
     _check_activation(activation)
+    residual = _check_residual(residual, c.x.dtype, c.out_shape(), c.layout)
     y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias, algorithm,
-                 activation)
+                 activation, residual=residual)
     return _from_nhwc(y, c.layout)
+
+
+_UNSET = object()
 
 
 class PackedConv2d:
@@ -740,12 +795,18 @@ class PackedConv2d:
                 self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
         return self._packs[key]
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None, activation=_UNSET):
+        """The convolution of x; residual as in conv2d; activation, when
+        given, replaces the one of the constructor for this call."""
         o = self.options
         c = _conv_setup(x, self.weight, o["stride"], o["padding"], o["dilation"], o["groups"],
                         o["padding_mode"], o["layout"])
+        if activation is _UNSET:
+            activation = self.activation
+        _check_activation(activation)
+        residual = _check_residual(residual, c.x.dtype, c.out_shape(), c.layout)
         y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, self.algorithm,
-                     self.activation, self._packed)
+                     activation, self._packed, residual)
         return _from_nhwc(y, c.layout)
 
 

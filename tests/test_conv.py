@@ -1044,6 +1044,64 @@ def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, al
         assert_close(y, ref, dtype, w[0].size, f"{algorithm} output", scale)
 
 
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithms", ALGORITHM_CASES)
+@pytest.mark.parametrize("activation", [None, "relu", "relu6"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_is_added_before_the_activation(x_shape, w_shape, kwargs, algorithms,
+                                                 activation, dtype):
+    """conv2d(..., residual=r) = act(conv + bias + r), on every algorithm
+    (the GEMM and Winograd epilogues add r; direct kernels add it after),
+    from a strided residual, and through PackedConv2d with the activation
+    given per call."""
+    rng = np.random.default_rng(sum(x_shape) + 1)
+    x = (4 * rng.standard_normal(x_shape)).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    ref = F.conv2d(torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64)),
+                   torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)),
+                   torch.from_numpy(b.astype(np.float64)), **kwargs)
+    ref = ref.numpy().transpose(0, 2, 3, 1)
+    wide = (8 * rng.standard_normal((*ref.shape[:3], 2 * ref.shape[3]))).astype(dtype)
+    residual = wide[..., ::2]                              # strided: copied, not aliased
+    ref = ref + residual
+    scale = float(np.abs(ref).max())
+    assert ref.min() < 0 and ref.max() > 6, "both clamps must be exercised"
+    if activation is not None:
+        ref = np.maximum(ref, 0)
+    if activation == "relu6":
+        ref = np.minimum(ref, 6)
+    before = wide.copy()
+    for algorithm in ("auto", *algorithms):
+        y = conv2d(x, w, b, **kwargs, algorithm=algorithm, activation=activation,
+                   residual=residual)
+        assert_close(y, ref, dtype, w[0].size, f"{algorithm} output", scale)
+        packed = fastconv.PackedConv2d(w, b, **kwargs, algorithm=algorithm)
+        y = packed(x, residual=residual, activation=activation)
+        assert_close(y, ref, dtype, w[0].size, f"packed {algorithm} output", scale)
+    np.testing.assert_array_equal(wide, before)           # the residual is only read
+    # NCHW in, NCHW residual.
+    y = conv2d(x.transpose(0, 3, 1, 2), w.transpose(0, 3, 1, 2), b, **kwargs, layout="NCHW",
+               activation=activation, residual=residual.transpose(0, 3, 1, 2))
+    assert_close(y.transpose(0, 2, 3, 1), ref, dtype, w[0].size, "NCHW output", scale)
+
+
+def test_bad_residual_is_refused():
+    x, w = np.ones((1, 5, 5, 4), np.float32), np.ones((6, 3, 3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"residual must have the result's shape \(1, 3, 3, 6\)"):
+        conv2d(x, w, residual=np.ones((1, 5, 5, 6), np.float32))
+    with pytest.raises(ValueError, match="residual"):
+        conv2d(x, w, residual=np.ones((3, 3, 6), np.float32))
+    with pytest.raises((TypeError, ValueError), match="residual"):
+        conv2d(x, w, residual=np.ones((1, 3, 3, 6), np.float64))
+    with pytest.raises((TypeError, ValueError), match="residual"):
+        conv2d(x, w, residual="shortcut")
+    packed = fastconv.PackedConv2d(w)
+    with pytest.raises(ValueError, match="residual"):
+        packed(x, residual=np.ones((1, 3, 3, 5), np.float32))
+    with pytest.raises(ValueError, match="activation"):
+        packed(x, activation="gelu")
+
+
 @pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithm, message", [
     ((1, 5, 5, 4), (4, 3, 3, 4), {}, "gemm1x1", "1x1"),
     ((1, 5, 5, 4), (4, 1, 1, 4), dict(stride=2), "gemm1x1", "stride 1"),

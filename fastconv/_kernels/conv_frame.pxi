@@ -403,9 +403,9 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             Py_ssize_t js, Py_ssize_t n_js,
                             const real* bias, int act, real* y, Py_ssize_t rsy,
                             bint stream, const real* w, Py_ssize_t rsw,
-                            real* own_block) noexcept nogil:
+                            real* own_block, real beta) noexcept nogil:
     # y[segment pixels, share js of the output channels] = patches @ w.T (+
-    # bias): the forward's macro-kernel.  Per k-block, each segment's A slice
+    # bias) (+ y when beta is 1): the forward's macro-kernel.  Per k-block, each segment's A slice
     # stays in L1 while the NR panels of the block stream from L2.  stream:
     # y's full tiles go out with non-temporal stores (can_stream).
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
@@ -463,7 +463,7 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
                     tile_act = act if kb == n_kb - 1 else ACT_NONE
                     # Finished by the kernel into y, or into acc for write_tile.
-                    flags = tile_out_flags(min(NR, nc - jr), NR, yt, 1, <real>1, <real>0,
+                    flags = tile_out_flags(min(NR, nc - jr), NR, yt, 1, <real>1, beta,
                                            kb == 0, stream)
                     if flags >= 0:
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
@@ -487,8 +487,8 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                                                 bblk + jr * blk.kc, out, rso, flags, out_bias,
                                                 out_act)
                     if out == acc:
-                        write_tile(acc, NR, yt, rsy, 1, s.mr, min(NR, nc - jr), 1, 0, kb == 0,
-                                   tile_bias, tile_act, stream)
+                        write_tile(acc, NR, yt, rsy, 1, s.mr, min(NR, nc - jr), 1, beta,
+                                   kb == 0, tile_bias, tile_act, stream)
     if stream:
         fc_store_fence()
 
@@ -496,8 +496,10 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
 cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                             const real* bias, int act, real* y, Py_ssize_t rsy,
-                            const real* prepacked, int max_threads) noexcept nogil:
-    # y[m, oc] = act(sum_k patches[m, k] * w[oc, k] (+ bias[oc])); w is OHWI
+                            const real* prepacked, int max_threads,
+                            bint accumulate=False) noexcept nogil:
+    # y[m, oc] = act(sum_k patches[m, k] * w[oc, k] (+ bias[oc]) (+ y[m, oc]
+    # when accumulate: a residual the caller stored there)); w is OHWI
     # flattened (OC x K, row stride rsw), y row m has stride rsy.  prepacked,
     # when not NULL, is w as pack_conv_weights laid it out.  Implicit
     # GEMM: pixels whose taps are all inside the image are multiplied
@@ -569,7 +571,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         free(tap_off)
         return -1
     cdef bint use_taps = taps_path_ok(g, xs, <real>0)
-    cdef bint stream = can_stream(M, OC, n_kb, <real>0, rsy, 1)
+    cdef bint stream = can_stream(M, OC, n_kb, <real>accumulate, rsy, 1)
     # Tasks are ordered by column share, then chunk, so that the static
     # schedule gives each thread whole shares: chunk-major order handed one
     # thread 36 of 49 rows' work at 512->512 @7 batch 1 (3 chunks x 2
@@ -583,7 +585,8 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
                           bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
                           task // n_ic, n_js, bias, act, y, rsy, stream, w, rsw,
-                          own_blocks + tid * own_size if pack_own else NULL)
+                          own_blocks + tid * own_size if pack_own else NULL,
+                          <real>accumulate)
     if prepacked == NULL:
         aligned_free(bpack)
         aligned_free(own_blocks)
@@ -925,8 +928,9 @@ def pack_conv_weights(const real[:, ::1] w, kernel, int num_threads):
 
 def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                    kernel, stride, dilation, pad_before, out_hw, int num_threads,
-                   int activation=ACT_NONE, packed=None):
-    """y = act(patches(x) @ w.T (+ bias)): x NHWC, w (OC, KH*KW*C),
+                   int activation=ACT_NONE, packed=None, bint accumulate=False):
+    """y = act(patches(x) @ w.T (+ bias) (+ y when accumulate: a residual
+    the caller stored there)): x NHWC, w (OC, KH*KW*C),
     y (N*OH*OW, OC), bias None or a contiguous (OC,) array, activation
     ACT_NONE, ACT_RELU or ACT_RELU6, packed None or pack_conv_weights(w)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
@@ -948,7 +952,7 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
     with nogil:
         status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
                                     w.shape[0], bias_ptr, activation, &y[0, 0],
-                                    y.strides[0] // item, packed_ptr, num_threads)
+                                    y.strides[0] // item, packed_ptr, num_threads, accumulate)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
 

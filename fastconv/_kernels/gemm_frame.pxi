@@ -258,13 +258,13 @@ cdef inline int tile_out_flags(Py_ssize_t nr, Py_ssize_t nr_full, const real* c,
                                bint stream) noexcept nogil:
     # The flags with which a micro-kernel finishes this tile straight into
     # C (fc_micro_kernel_out: full width, unit column stride, alpha 1, beta
-    # 0 or a later K block), streamed as write_tile would; -1 for a tile
-    # that goes through a stack tile and write_tile.
-    if nr != nr_full or csc != 1 or alpha != 1 or (first and beta != 0):
+    # 0 or 1, or a later K block), streamed as write_tile would; -1 for a
+    # tile that goes through a stack tile and write_tile.
+    if nr != nr_full or csc != 1 or alpha != 1 or (first and beta != 0 and beta != 1):
         return -1
     if stream and (<size_t>c) % 64 == 0:
         return OUT_STREAM
-    return 0 if first else OUT_ADD
+    return 0 if first and beta == 0 else OUT_ADD
 
 
 cdef inline void clamp_tile(real* c, Py_ssize_t rsc, Py_ssize_t csc, Py_ssize_t mr,

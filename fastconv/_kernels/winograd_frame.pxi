@@ -29,10 +29,10 @@ cdef extern from "winograd_kernel.h":
     enum:
         VBYTES "FC_VBYTES"
     void fc_wino_output_f32(const float* m, Py_ssize_t sm, Py_ssize_t K, const float* bias,
-                            int act, float* y, Py_ssize_t syh, Py_ssize_t syw,
+                            int act, int add, float* y, Py_ssize_t syh, Py_ssize_t syw,
                             int rows, int cols) noexcept nogil
     void fc_wino_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
-                            int act, double* y, Py_ssize_t syh, Py_ssize_t syw,
+                            int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw,
                             int rows, int cols) noexcept nogil
 
 cdef enum:
@@ -268,8 +268,8 @@ cdef void wino_input_tile(const ConvGeom* g, const real* x, ImageStrides xs,
 
 
 cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_ssize_t OC,
-                           const real* bias, int act, const WinoTiling* tl, Py_ssize_t tile,
-                           real* y, Py_ssize_t rsy) noexcept nogil:
+                           const real* bias, int act, bint add, const WinoTiling* tl,
+                           Py_ssize_t tile, real* y, Py_ssize_t rsy) noexcept nogil:
     cdef Py_ssize_t n, oh, ow
     wino_tile_origin(g, tl, tile, &n, &oh, &ow)
     if oh >= g.OH or ow >= g.OW:
@@ -278,19 +278,19 @@ cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_s
     cdef int cols = <int>min(WINO_TILE, cdiv(g.OW - ow, g.DW))
     cdef real* dst = y + ((n * g.OH + oh) * g.OW + ow) * rsy
     if real is float:
-        fc_wino_output_f32(m, sm, OC, bias, act, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
+        fc_wino_output_f32(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
     else:
-        fc_wino_output_f64(m, sm, OC, bias, act, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
+        fc_wino_output_f64(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
 
 
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
                                 const real* prepacked, int max_threads,
-                                bint flipped=False) noexcept nogil:
-    # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias): the
-    # same contract as conv_forward_nogil for KH = KW = 3, stride 1,
-    # dilation 1.  prepacked: NULL or pack_winograd_weights' U.  flipped:
+                                bint flipped=False, bint accumulate=False) noexcept nogil:
+    # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias (+ y
+    # when accumulate)): the same contract as conv_forward_nogil for KH =
+    # KW = 3, stride 1, dilation 1.  prepacked: NULL or pack_winograd_weights' U.  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
     cdef WinoTiling tl = wino_tiling(g)
@@ -354,7 +354,8 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
                                upack + p * lay.point_size, lay.nc_blk, 0, 1,
                                mt + p * sm, ldm, 0, NULL)
             for t in range(tc):
-                wino_output_tile(g, mt + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
+                wino_output_tile(g, mt + t * ldm, sm, OC, bias, act, accumulate, &tl, t0 + t, y,
+                                 rsy)
     else:
         for ci in range(cdiv(tiles, chunk)):
             t0 = ci * chunk
@@ -366,7 +367,8 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
                                upack + p * lay.point_size, lay.nc_blk, 0, 1,
                                m + p * sm, ldm, 0, NULL)
             for t in prange(tc, num_threads=nt, schedule="static"):
-                wino_output_tile(g, m + t * ldm, sm, OC, bias, act, &tl, t0 + t, y, rsy)
+                wino_output_tile(g, m + t * ldm, sm, OC, bias, act, accumulate, &tl, t0 + t, y,
+                                 rsy)
     aligned_free(v)
     aligned_free(m)
     if prepacked == NULL:
@@ -401,8 +403,9 @@ def pack_winograd_weights(const real[:, ::1] w, int num_threads):
 
 def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                     pad_before, out_hw, int num_threads, int activation=ACT_NONE,
-                    packed=None, bint flipped=False, dilation=(1, 1)):
-    """y = act(conv3x3(x, w) (+ bias)) by Winograd F(4x4, 3x3), stride 1,
+                    packed=None, bint flipped=False, dilation=(1, 1), bint accumulate=False):
+    """y = act(conv3x3(x, w) (+ bias) (+ y when accumulate: a residual the
+    caller stored there)) by Winograd F(4x4, 3x3), stride 1,
     any dilation (see WinoTiling): x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC);
     packed None or pack_winograd_weights(w).  flipped: w is (C, 3*3*OC),
     the weight of the convolution whose input gradient this one is, used
@@ -436,7 +439,7 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
         status = winograd_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0],
                                         w.strides[0] // item, OC, bias_ptr, activation,
                                         &y[0, 0], y.strides[0] // item, packed_ptr, num_threads,
-                                        flipped)
+                                        flipped, accumulate)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")
 

@@ -119,8 +119,9 @@
     }
 
 /* One step of the output transform: 36 products (point i at m + i*sm + k)
- * -> the 4x4 tile, + bias, activation, rows < rows and columns < cols
- * stored at y + r*syh + s*syw + k.  ACT(T, V, x) applies the activation. */
+ * -> the 4x4 tile, + bias, + what y holds when add (a residual the caller
+ * put there), activation, rows < rows and columns < cols stored at
+ * y + r*syh + s*syw + k.  ACT(T, V, x) applies the activation. */
 #define FC_WINO_OUTPUT_STEP(T, V, ACT)                                          \
     {                                                                           \
         V m_[6][6], t_[4][6], col_[6], out_[4], b_;                             \
@@ -141,8 +142,12 @@
             FC_WINO_AT(T, t_[r], out_);                                         \
             FC_UNROLL for (int s = 0; s < 4; s++) {                             \
                 if (s >= cols) break;                                           \
-                V o_ = out_[s] + b_;                                            \
-                ACT(T, V, o_);                                                     \
+                V o_ = out_[s] + b_, r_;                                        \
+                if (add) {                                                      \
+                    memcpy(&r_, y + r * syh + s * syw + k, sizeof(V));          \
+                    o_ = o_ + r_;                                               \
+                }                                                               \
+                ACT(T, V, o_);                                                  \
                 memcpy(y + r * syh + s * syw + k, &o_, sizeof(V));              \
             }                                                                   \
         }                                                                       \
@@ -209,7 +214,7 @@
     FC_WINO_FILTER_STEP(T, T)                                                   \
                                                                                 \
     static inline void fc_wino_output_##SUFFIX(                                 \
-        const T *m, ptrdiff_t sm, ptrdiff_t K, const T *bias, int act,          \
+        const T *m, ptrdiff_t sm, ptrdiff_t K, const T *bias, int act, int add, \
         T *restrict y, ptrdiff_t syh, ptrdiff_t syw, int rows, int cols)        \
     {                                                                           \
         typedef fc_wino_mask_##SUFFIX fc_wino_mask_t;                           \
