@@ -873,10 +873,24 @@ class BasicBlock(Module):
                                  dtype=dtype, rng=rng),
                           BatchNorm2d(out_channels, dtype=dtype))
 
+    #: Set by prepack() when bn2 is folded away: in eval mode conv2 then
+    #: adds the shortcut and applies relu2 in its kernel's epilogue (no sum
+    #: array, no add and relu passes over it).
+    _residual_fused = False
+
     def forward(self, x):
         shortcut = x if self.downsample is None else self.downsample(x)
         out = self.relu1(self.bn1(self.conv1(x)))
+        packed = getattr(self.conv2, "_packed", None)
+        if self._residual_fused and packed is not None and not self.training:
+            self.conv2._save_for_backward(x=out)
+            y = packed(out, residual=shortcut, activation="relu")
+            self.relu2._save_for_backward(y=y)
+            return y
         return self.relu2(self.bn2(self.conv2(out)) + shortcut)
+
+    def _drop_packed_weights(self):
+        self._residual_fused = False
 
     def backward(self, grad_output):
         grad_sum = self.relu2.backward(grad_output)
@@ -995,7 +1009,8 @@ def prepack(model):
     skips repacking them, which for a deep layer at batch 1 costs about as
     much as the convolution.  A ReLU that directly follows a conv (after
     fold_batchnorms, also conv -> batchnorm -> ReLU) is fused into the
-    conv's kernel epilogue, applied while each output tile is in cache.
+    conv's kernel epilogue, applied while each output tile is in cache; so
+    is a BasicBlock's relu2(conv2(.) + shortcut) once bn2 is folded.
     The packs and fusions are dropped by train() and load_state_dict();
     after changing weights any other way (an optimizer step in eval mode),
     call prepack again.  Returns model."""
@@ -1009,6 +1024,8 @@ def prepack(model):
             bias = None if module.bias is None else module.bias.data
             module._packed = PackedConv2d(module.weight.data, bias, **module._geometry(),
                                           activation="relu" if id(module) in fused else None)
+        elif isinstance(module, BasicBlock) and isinstance(module.bn2, Identity):
+            module._residual_fused = True
     return model
 
 

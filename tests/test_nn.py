@@ -544,6 +544,32 @@ def test_prepack_matches_and_is_dropped_when_weights_may_change():
     assert model[0]._packed is None and model[2]._packed is None
 
 
+def test_basic_block_fused_residual_matches_and_keeps_its_backward():
+    """After fold_batchnorms + prepack, an eval BasicBlock adds its shortcut
+    and applies relu2 in conv2's epilogue: the same result as the separate
+    add and ReLU (projection shortcut too), and a backward through it still
+    gives the unfused block's gradient."""
+    rng = np.random.default_rng(8)
+    for block in (nn.BasicBlock(16, 16, rng=1),
+                  nn.BasicBlock(8, 16, 2, nn.BasicBlock.projection(8, 16, 2, rng=2), rng=3)):
+        x = rng.standard_normal((2, 12, 12, block.conv1.in_channels)).astype(np.float32)
+        for bn in (block.bn1, block.bn2):
+            bn.running_mean[...] = rng.standard_normal(16)
+            bn.running_var[...] = rng.random(16) + 0.5
+        block.eval()
+        nn.fold_batchnorms(block)
+        expected = block(x)
+        grad_out = rng.standard_normal(expected.shape).astype(np.float32)
+        expected_grad = block.backward(grad_out)
+        nn.prepack(block)
+        assert block._residual_fused
+        got = block(x)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        assert (got >= 0).all() and (got == 0).any()
+        np.testing.assert_allclose(block.backward(grad_out), expected_grad, rtol=1e-4,
+                                   atol=1e-4)
+
+
 def test_prepack_fuses_conv_relu_and_undoes_it_safely():
     """prepack fuses a ReLU fed straight by a conv (through a folded
     batchnorm) into the conv's epilogue; train(), load_state_dict and
@@ -572,5 +598,6 @@ def test_prepack_fuses_conv_relu_and_undoes_it_safely():
     assert not model[2]._fused and model[0]._packed is None
     np.testing.assert_allclose(model(x), expected, rtol=1e-4, atol=1e-4)
     nn.prepack(model)
+    assert block._residual_fused                      # bn2 folded: relu2(conv2 + x) fused
     model.train()
-    assert not model[2]._fused and not block.relu1._fused
+    assert not model[2]._fused and not block.relu1._fused and not block._residual_fused
