@@ -405,9 +405,10 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                             bint stream, const real* w, Py_ssize_t rsw,
                             real* own_block, real beta) noexcept nogil:
     # y[segment pixels, share js of the output channels] = patches @ w.T (+
-    # bias) (+ y when beta is 1): the forward's macro-kernel.  Per k-block, each segment's A slice
-    # stays in L1 while the NR panels of the block stream from L2.  stream:
-    # y's full tiles go out with non-temporal stores (can_stream).
+    # bias) (+ y when beta is 1): the forward's macro-kernel.  Per k-block,
+    # each segment's A slice stays in L1 while the NR panels of the block
+    # stream from L2.  stream: y's full tiles go out with non-temporal
+    # stores (can_stream).
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
     # own_block is given, this task packs its share of each block of w into
     # own_block (one block, kc_max x nc_blk) just before multiplying it.

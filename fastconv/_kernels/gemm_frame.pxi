@@ -457,7 +457,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             # Finished by the kernel into C, or into acc for write_tile.
             flags = tile_out_flags(min(NR, nc - jr), NR, ct, csc, alpha, beta, first, stream)
             if flags >= 0:
-                out, rso, out_bias, out_act = ct, rsc, (tile_bias + jr if tile_bias != NULL else NULL), act
+                out, rso, out_act = ct, rsc, act
+                out_bias = NULL if tile_bias == NULL else tile_bias + jr
             else:
                 out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
             if real is float:

@@ -49,7 +49,8 @@
  * 2 relu6; masks, so NaN stays NaN), with non-temporal stores when
  * FC_OUT_STREAM (out and rso vector-aligned).  Straight from the
  * accumulators: storing them to a stack tile for the frame to add to C
- * cost ~6 % of a K = 27 or 64 product (VGG conv1_1, 1x1 64->256).  A
+ * cost ~4 % of a K = 27 product (VGG conv1_1, 1 thread), ~1 % at K = 64
+ * (1x1 64->256), where C's own traffic dominates the epilogue.  A
  * frame with a tile it cannot finish so (partial, alpha, beta, strided C)
  * passes a stack tile (out = acc, rso = NR, no flags) and finishes it.
  *
@@ -204,15 +205,24 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
  * it has (AVX: unpck/shuf/vperm2f128; SSE2 and NEON: pairs of halves). */
 typedef float fc_v8sf __attribute__((vector_size(32)));
 typedef double fc_v4df __attribute__((vector_size(32)));
-#if defined(__clang__)
-#define FC_SHUF8(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
-#define FC_SHUF4(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
-#else
+/* Half squares (4x4 floats, 2x2 doubles: 16 bytes a row), for the columns
+ * of a panel copy that a whole square would overrun. */
+typedef float fc_v4sf __attribute__((vector_size(16)));
+typedef double fc_v2df __attribute__((vector_size(16)));
+/* GCC takes the lane indices as a vector of the integer type IT. */
 typedef int fc_v8si __attribute__((vector_size(32)));
 typedef long long fc_v4di __attribute__((vector_size(32)));
-#define FC_SHUF8(a, b, ...) __builtin_shuffle((a), (b), (fc_v8si){__VA_ARGS__})
-#define FC_SHUF4(a, b, ...) __builtin_shuffle((a), (b), (fc_v4di){__VA_ARGS__})
+typedef int fc_v4si __attribute__((vector_size(16)));
+typedef long long fc_v2di __attribute__((vector_size(16)));
+#if defined(__clang__)
+#define FC_SHUFFLE(IT, a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define FC_SHUFFLE(IT, a, b, ...) __builtin_shuffle((a), (b), (IT){__VA_ARGS__})
 #endif
+#define FC_SHUF8(a, b, ...) FC_SHUFFLE(fc_v8si, a, b, __VA_ARGS__)
+#define FC_SHUF4(a, b, ...) FC_SHUFFLE(fc_v4di, a, b, __VA_ARGS__)
+#define FC_SHUF4F(a, b, ...) FC_SHUFFLE(fc_v4si, a, b, __VA_ARGS__)
+#define FC_SHUF2D(a, b, ...) FC_SHUFFLE(fc_v2di, a, b, __VA_ARGS__)
 
 static inline void fc_transpose_sq_f32(const float *src, ptrdiff_t lds,
                                        float *dst, ptrdiff_t ldd)
@@ -253,20 +263,6 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
         memcpy(dst + (q + 2) * ldd, &o, 32);
     }
 }
-
-/* Half squares (4x4 floats, 2x2 doubles: 16 bytes a row), for the columns
- * of a panel copy that a whole square would overrun. */
-typedef float fc_v4sf __attribute__((vector_size(16)));
-typedef double fc_v2df __attribute__((vector_size(16)));
-#if defined(__clang__)
-#define FC_SHUF4F(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
-#define FC_SHUF2D(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
-#else
-typedef int fc_v4si __attribute__((vector_size(16)));
-typedef long long fc_v2di __attribute__((vector_size(16)));
-#define FC_SHUF4F(a, b, ...) __builtin_shuffle((a), (b), (fc_v4si){__VA_ARGS__})
-#define FC_SHUF2D(a, b, ...) __builtin_shuffle((a), (b), (fc_v2di){__VA_ARGS__})
-#endif
 
 static inline void fc_transpose_hsq_f32(const float *src, ptrdiff_t lds,
                                         float *dst, ptrdiff_t ldd)

@@ -278,9 +278,11 @@ cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_s
     cdef int cols = <int>min(WINO_TILE, cdiv(g.OW - ow, g.DW))
     cdef real* dst = y + ((n * g.OH + oh) * g.OW + ow) * rsy
     if real is float:
-        fc_wino_output_f32(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
+        fc_wino_output_f32(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW,
+                           rows, cols)
     else:
-        fc_wino_output_f64(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW, rows, cols)
+        fc_wino_output_f64(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW,
+                           rows, cols)
 
 
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -290,7 +292,8 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
                                 bint flipped=False, bint accumulate=False) noexcept nogil:
     # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias (+ y
     # when accumulate)): the same contract as conv_forward_nogil for KH =
-    # KW = 3, stride 1, dilation 1.  prepacked: NULL or pack_winograd_weights' U.  flipped:
+    # KW = 3, stride 1, dilation 1.  prepacked: NULL or
+    # pack_winograd_weights' U.  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
     cdef WinoTiling tl = wino_tiling(g)
