@@ -194,9 +194,10 @@ _ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 
 
 def _is_winograd(geo):
-    # Winograd F(4x4, 3x3): 3x3 kernels at stride 1 (any padding, any output
-    # size: partial tiles are cut at the edges; a dilated layer's tiles are
-    # cut per dilation phase, their pixels d apart).
+    # Winograd F(4x4, 3x3) or F(2x2, 3x3): 3x3 kernels at stride 1 (any
+    # padding, any output size: partial tiles are cut at the edges; a
+    # dilated layer's tiles are cut per dilation phase, their pixels d
+    # apart).
     return geo.kernel == (3, 3) and geo.stride == (1, 1)
 
 
@@ -205,6 +206,18 @@ def _winograd_tiles(N, geo):
     # outputs a + d*i of each residue a form an undilated convolution).
     (DH, DW), (OH, OW) = geo.dilation, geo.out_hw
     return N * DH * -(-(-(-OH // DH)) // 4) * DW * -(-(-(-OW // DW)) // 4)
+
+
+def _winograd_tile(N, geo):
+    """4 for F(4x4, 3x3); 2, F(2x2, 3x3), for layers of at most four of
+    its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where the 36 x C x OC
+    transformed filters are most of the traffic and F(2x2)'s 16 x C x OC
+    pay for its 1.8x the multiplications.  Measured, 2 threads, prepacked
+    512->512: @7 batch 1 302 vs 273 GFLOPS median (best 348 vs 355), and
+    in ResNet-18 at batch 1 (its three such layers), 13.8-16.0 vs
+    14.4-15.9 ms median over three interleaved runs; at batch 2 (8 tiles)
+    F(4x4) was faster (315 vs 278), and at 16 tiles far faster."""
+    return 2 if _winograd_tiles(N, geo) <= 4 else 4
 
 
 def _winograd_pays(N, geo, Cg, OCg, prepacked):
@@ -248,7 +261,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       (auto takes implicit instead when a group has more than twice as many
       input channels as the image has pixels);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
-      GEMMs in the transformed domain (4x fewer multiplications; see
+      GEMMs in the transformed domain (4x fewer multiplications), or, with
+      few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer; see _winograd_tile and
       _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
@@ -358,10 +372,11 @@ def _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed, a
             kernels.im2col(x[..., c], cols, *geo, nt)
             kernels.gemm(1.0, cols, w2d[oc].T, beta, y_rows[:, oc], nt, b, act)
         elif algorithm == "winograd":
+            tile = _winograd_tile(x.shape[0], geo)
+            filters = None if packed is None else packed(kernels, g, algorithm, tile)
             kernels.conv2d_winograd(x[..., c], w2d[oc], b, y_rows[:, oc], geo.pad_before,
-                                    geo.out_hw, nt, act,
-                                    None if packed is None else packed(kernels, g, algorithm),
-                                    dilation=geo.dilation, accumulate=accumulate)
+                                    geo.out_hw, nt, act, filters, dilation=geo.dilation,
+                                    accumulate=accumulate, tile=tile)
         else:
             kernels.conv2d_forward(x[..., c], w2d[oc], b, y_rows[:, oc], *geo, nt, act,
                                    None if packed is None else packed(kernels, g, algorithm),
@@ -723,11 +738,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     stride-1 unpadded, "winograd" for 3x3 stride-1 layers with enough
     channels and tiles, "im2col" for strided layers with a small patch
     matrix, else "implicit"), or one of those to force it (ValueError where
-    it does not apply).  Winograd F(4x4, 3x3)
-    rounds differently from the direct methods (float32 error vs a float64
-    reference a few times larger; benchmarks/README.md has the figures),
-    and a NaN or inf in an input window spreads over its whole 4x4 output
-    tile.  activation: None, "relu" or
+    it does not apply).  Winograd F(4x4, 3x3) (F(2x2, 3x3) where there
+    are few tiles) rounds differently from the direct methods (float32
+    error vs a float64 reference a few times larger; benchmarks/README.md
+    has the figures), and a NaN or inf in an input window spreads over its
+    whole 4x4 (2x2) output tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
     still in cache.  residual: None, or an array of the result's shape and
     dtype added before the activation (ResNet's relu(conv(x) + shortcut));
@@ -781,15 +796,18 @@ class PackedConv2d:
                             padding_mode=padding_mode, layout=layout)
         self.activation = activation
         self._w2d = _weight_matrix(_to_nhwc(self.weight, layout))
-        self._packs = {}   # (ISA, group) -> packed weights
+        self._packs = {}   # (ISA, algorithm, Winograd tile, group) -> packed weights
 
-    def _packed(self, kernels, group, algorithm):
-        key = (kernels.ISA, algorithm, group)
+    def _packed(self, kernels, group, algorithm, tile=4):
+        # tile: the Winograd variant (_winograd_tile), F(4x4) when groups
+        # run in parallel.
+        key = (kernels.ISA, algorithm, tile if algorithm == "winograd" else None, group)
         if key not in self._packs:
             OCg = self._w2d.shape[0] // self.options["groups"]
             w_group = np.ascontiguousarray(self._w2d[group * OCg:(group + 1) * OCg])
             if algorithm == "winograd":
-                self._packs[key] = kernels.pack_winograd_weights(w_group, get_num_threads())
+                self._packs[key] = kernels.pack_winograd_weights(w_group, get_num_threads(),
+                                                                 tile)
             else:
                 kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
                 self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())

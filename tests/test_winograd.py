@@ -1,4 +1,5 @@
-"""Winograd F(4x4, 3x3) (conv2d(..., algorithm="winograd")) against a float64
+"""Winograd F(4x4, 3x3) and F(2x2, 3x3) (conv2d(..., algorithm="winograd"),
+the latter for layers with few tiles) against a float64
 PyTorch reference: its float32 error must stay within 10x that of the
 direct (implicit GEMM) method on the same inputs, its float64 result within
 rounding.  Also: every ISA build, chunking, partial and all-padding tiles,
@@ -77,6 +78,14 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[4, 2], ids=["F4x4", "F2x2"])
+def tile(request, monkeypatch):
+    """The Winograd variant every conv2d of the test runs (auto takes
+    F(2x2) only for few tiles)."""
+    monkeypatch.setattr(fastconv.conv, "_winograd_tile", lambda N, geo: request.param)
+    return request.param
+
+
 @pytest.fixture(params=["default-chunks", "tiny-chunks"])
 def chunking(request):
     """tiny-chunks: one micro-panel of tiles per chunk, so that small images
@@ -105,7 +114,7 @@ def check_whole_and_one_tile_chunks(isa, x, w, b, padding, groups, dilation=(1, 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("shape, padding, groups", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_winograd_matches_reference(isa, shape, padding, groups, dtype):
+def test_winograd_matches_reference(isa, shape, padding, groups, dtype, tile):
     N, H, W, C, OC = shape
     rng = np.random.default_rng(H * W + C)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
@@ -129,7 +138,8 @@ DILATED_CASES = [
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("shape, padding, dilation, groups", DILATED_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_dilated_winograd_matches_reference(isa, shape, padding, dilation, groups, dtype):
+def test_dilated_winograd_matches_reference(isa, shape, padding, dilation, groups, dtype,
+                                           tile):
     """A dilated layer's tiles are cut per dilation phase (outputs a + d*i of
     each residue a), their windows and pixels d apart."""
     N, H, W, C, OC = shape
@@ -142,7 +152,7 @@ def test_dilated_winograd_matches_reference(isa, shape, padding, dilation, group
 
 @pytest.mark.parametrize("activation", [None, "relu", "relu6"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_winograd_epilogue(activation, dtype, chunking):
+def test_winograd_epilogue(activation, dtype, chunking, tile):
     rng = np.random.default_rng(3)
     x = (4 * rng.standard_normal((2, 11, 10, 19))).astype(dtype)   # past 6 for relu6
     w = rng.standard_normal((21, 3, 3, 19)).astype(dtype)
@@ -152,7 +162,7 @@ def test_winograd_epilogue(activation, dtype, chunking):
 
 
 @pytest.mark.parametrize("view", ["pixel-stride", "reversed-rows", "reversed-columns", "nchw"])
-def test_winograd_reads_strided_inputs(view):
+def test_winograd_reads_strided_inputs(view, tile):
     rng = np.random.default_rng(4)
     base = rng.standard_normal((2, 18, 22, 16)).astype(np.float32)
     w = rng.standard_normal((12, 3, 3, 16)).astype(np.float32)
@@ -179,7 +189,7 @@ def test_winograd_error_is_documented_size():
     assert rel < 1e-5
 
 
-def test_winograd_is_independent_of_the_thread_count(request):
+def test_winograd_is_independent_of_the_thread_count(request, tile):
     """Tiles and the 36 GEMMs are each computed whole by one thread, so the
     result does not depend on how many there are, bit for bit (these small
     filters give each thread chunks of its own from 2 threads on; one
@@ -224,7 +234,7 @@ def test_winograd_nan_and_inf_stay_in_their_tiles():
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("OC", [48, 37])        # whole panels; a partial last one
-def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request):
+def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request, tile):
     """Filters far larger than the caches are transformed with non-temporal
     stores (forced here for small ones): the same values, for the forward
     and for the input gradient (the flipped weight)."""
@@ -251,7 +261,7 @@ def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request):
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
-def test_packed_winograd_filters(isa):
+def test_packed_winograd_filters(isa, tile):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 7, 7, 32)).astype(np.float32)
     w = rng.standard_normal((24, 3, 3, 32)).astype(np.float32)
@@ -261,17 +271,23 @@ def test_packed_winograd_filters(isa):
         expected = conv2d(x, w, b, padding=1, activation="relu", algorithm="winograd")
         for _ in range(2):
             np.testing.assert_array_equal(layer(x), expected)
-        assert any(key[1] == "winograd" for key in layer._packs)
+        assert any(key[1:3] == ("winograd", tile) for key in layer._packs)
         # Filters packed for one algorithm are refused by the other.
         w2d = np.ascontiguousarray(w.reshape(24, -1))
         y = np.empty((49, 24), np.float32)
         implicit = kernels.pack_conv_weights(w2d, (3, 3), 1)
         with pytest.raises(ValueError, match="packed weights are implicit"):
             kernels.conv2d_winograd(x, w2d, None, y, (1, 1), (7, 7), 1, 0, implicit)
-        winograd = kernels.pack_winograd_weights(w2d, 1)
+        winograd = kernels.pack_winograd_weights(w2d, 1, tile)
         with pytest.raises(ValueError, match="packed weights are winograd"):
             kernels.conv2d_forward(x, w2d, None, y, (3, 3), (1, 1), (1, 1), (1, 1), (7, 7), 1,
                                    0, winograd)
+        # ...and filters of one Winograd variant by the other.
+        with pytest.raises(ValueError, match="packed weights are winograd"):
+            kernels.conv2d_winograd(x, w2d, None, y, (1, 1), (7, 7), 1, 0, winograd,
+                                    tile=6 - tile)
+        with pytest.raises(ValueError, match="tile must be 4"):
+            kernels.pack_winograd_weights(w2d, 1, 3)
 
 
 @pytest.mark.parametrize("N, H, C, OC, stride, prepacked, expected", [
@@ -291,6 +307,20 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
                                   (-(-H // stride),) * 2)
     got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked)
     assert got == expected
+
+
+@pytest.mark.parametrize("N, H, dilation, expected", [
+    (1, 7, 1, 2),          # ResNet stage 4 at batch 1: 4 tiles of 4x4
+    (1, 8, 1, 2),
+    (2, 7, 1, 4),          # 8 tiles
+    (1, 14, 1, 4),         # 16 tiles
+    (1, 7, 2, 2),          # per dilation phase: 4 phases of one tile
+    (1, 14, 2, 4),         # 4 phases of 4 tiles
+])
+def test_winograd_variant_by_tile_count(N, H, dilation, expected):
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
+                                  (H, H))
+    assert fastconv.conv._winograd_tile(N, geo) == expected
 
 
 @pytest.mark.parametrize("kernel, kwargs, message", [

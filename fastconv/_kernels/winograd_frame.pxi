@@ -1,45 +1,65 @@
-# Winograd F(4x4, 3x3) convolution for 3x3, stride-1, dilation-1 layers,
-# included after gemm_frame.pxi and conv_frame.pxi by the per-ISA modules.
+# Winograd F(4x4, 3x3) and F(2x2, 3x3) convolution for 3x3, stride-1
+# layers, included after gemm_frame.pxi and conv_frame.pxi by the per-ISA
+# modules.  F(m x m): (m+2)^2 points (36, or 16 for F(2x2)), below as P.
 #
-# Per chunk of 4x4 output tiles (all threads on one chunk at a time):
-#   1. input transform: each tile's 6x6 input window -> 36 rows, one per
+# Per chunk of m x m output tiles (all threads on one chunk at a time):
+#   1. input transform: each tile's (m+2)^2 input window -> P rows, one per
 #      Winograd point, of V[point][tile][c]                 (threads: tiles)
-#   2. 36 GEMMs M[point] = V[point] (tiles x C) @ U[point] (C x OC) on the
+#   2. P GEMMs M[point] = V[point] (tiles x C) @ U[point] (C x OC) on the
 #      micro-kernel, U the transformed filters packed once  (threads: points)
-#   3. output transform: 36 rows of M -> the tile's 4x4 pixels, + bias and
+#   3. output transform: P rows of M -> the tile's m x m pixels, + bias and
 #      the activation, stored into y                        (threads: tiles)
 # A chunk's V and M stay within a few MiB (workspace independent of the
-# batch), and it is long enough (WINO_MIN_TILES) that streaming all 36
+# batch), and it is long enough (WINO_MIN_TILES) that streaming all P
 # packed U through the cache once per chunk costs little next to its
 # multiplications.  Splitting the GEMM phase by points means each thread
 # reads only its own share of U: at batch 1 on a 7x7 or 14x14 image, where
-# tiles are few, U is most of the traffic.
+# tiles are few, U is most of the traffic (hence F(2x2) there: 16 x C x OC
+# values of U instead of 36).
 
 cdef extern from "winograd_kernel.h":
+    # F(4x4, 3x3) (fc_wino_*) and F(2x2, 3x3) (fc_wino2_*), the same contracts.
     void fc_wino_input_f32(const float* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
-                           int s0, int s1, Py_ssize_t C, float* v, Py_ssize_t sv) noexcept nogil
-    void fc_wino_input_f64(const double* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
-                           int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
+        int s0, int s1, Py_ssize_t C, float* v, Py_ssize_t sv) noexcept nogil
     void fc_wino_filter_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
-    void fc_wino_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
-    void fc_wino_filter_nt_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
-    void fc_wino_filter_nt_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter_nt_f32(const float* w, Py_ssize_t ts, float* u,
+        Py_ssize_t su) noexcept nogil
     void fc_wino_filter1_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_output_f32(const float* m, Py_ssize_t sm, Py_ssize_t K, const float* bias,
+        int act, int add, float* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
+        int cols) noexcept nogil
+    void fc_wino_input_f64(const double* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
+        int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
+    void fc_wino_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter_nt_f64(const double* w, Py_ssize_t ts, double* u,
+        Py_ssize_t su) noexcept nogil
     void fc_wino_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
+        int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
+        int cols) noexcept nogil
+    void fc_wino2_input_f32(const float* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
+        int s0, int s1, Py_ssize_t C, float* v, Py_ssize_t sv) noexcept nogil
+    void fc_wino2_filter_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter_nt_f32(const float* w, Py_ssize_t ts, float* u,
+        Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter1_f32(const float* w, Py_ssize_t ts, float* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_output_f32(const float* m, Py_ssize_t sm, Py_ssize_t K, const float* bias,
+        int act, int add, float* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
+        int cols) noexcept nogil
+    void fc_wino2_input_f64(const double* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
+        int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
+    void fc_wino2_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter_nt_f64(const double* w, Py_ssize_t ts, double* u,
+        Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
+        int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
+        int cols) noexcept nogil
     enum:
         VBYTES "FC_VBYTES"
-    void fc_wino_output_f32(const float* m, Py_ssize_t sm, Py_ssize_t K, const float* bias,
-                            int act, int add, float* y, Py_ssize_t syh, Py_ssize_t syw,
-                            int rows, int cols) noexcept nogil
-    void fc_wino_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
-                            int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw,
-                            int rows, int cols) noexcept nogil
 
 cdef enum:
-    WINO_TILE = 4        # output pixels per tile side
-    WINO_WINDOW = 6      # input pixels per tile side
-    WINO_POINTS = 36
-    # Fewest tiles per chunk: U (36 x C x OC) is streamed once per chunk.
+    # Fewest tiles per chunk: U (points x C x OC) is streamed once per chunk.
     WINO_MIN_TILES = 48
     # Per-thread chunks (see winograd_forward_nogil): V + M of a chunk
     # within half an L2, for filters of at most 4 MiB, which each thread
@@ -73,6 +93,11 @@ def set_winograd_chunk_bytes(Py_ssize_t nbytes):
     previous = wino_chunk_bytes
     wino_chunk_bytes = max(1, nbytes)
     return previous
+
+
+cdef inline Py_ssize_t wino_points(int tile) noexcept nogil:
+    # Winograd points of F(tile x tile, 3x3): its window is tile + 2 wide.
+    return (tile + 2) * (tile + 2)
 
 
 cdef struct WinoLayout:
@@ -116,9 +141,43 @@ cdef void transpose_into(Py_ssize_t rows, Py_ssize_t cols, const real* a, Py_ssi
             fc_transpose_block_f64(i0, min(rows, i0 + B), j0, min(cols, j0 + B), a, rsa, at, rows)
 
 
+cdef inline void wino_filter(int tile, bint vector, bint stream, const real* w, Py_ssize_t ts,
+                             real* u, Py_ssize_t su) noexcept nogil:
+    # The filter transform of F(tile x tile, 3x3): VL filters (vector,
+    # streamed or not) or one.
+    if real is float:
+        if tile == 2:
+            if not vector:
+                fc_wino2_filter1_f32(w, ts, u, su)
+            elif stream:
+                fc_wino2_filter_nt_f32(w, ts, u, su)
+            else:
+                fc_wino2_filter_f32(w, ts, u, su)
+        elif not vector:
+            fc_wino_filter1_f32(w, ts, u, su)
+        elif stream:
+            fc_wino_filter_nt_f32(w, ts, u, su)
+        else:
+            fc_wino_filter_f32(w, ts, u, su)
+    else:
+        if tile == 2:
+            if not vector:
+                fc_wino2_filter1_f64(w, ts, u, su)
+            elif stream:
+                fc_wino2_filter_nt_f64(w, ts, u, su)
+            else:
+                fc_wino2_filter_f64(w, ts, u, su)
+        elif not vector:
+            fc_wino_filter1_f64(w, ts, u, su)
+        elif stream:
+            fc_wino_filter_nt_f64(w, ts, u, su)
+        else:
+            fc_wino_filter_f64(w, ts, u, su)
+
+
 cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
                            bint flipped, const KBlock* blocks, const WinoLayout* lay, int nt,
-                           real* dst) noexcept nogil:
+                           int tile, real* dst) noexcept nogil:
     # The filters of a conv with C input and OC output channels -> U = G g
     # G^T per (oc, c), written straight into the packed layout of the
     # GEMM's B operand (C x OC) of each point, point p at dst +
@@ -145,7 +204,7 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     if OC % NR:
         # The columns past OC of the last panels multiply into discarded
         # accumulators; zeros keep NaN and subnormals out of them.
-        memset(dst, 0, WINO_POINTS * lay.point_size * sizeof(real))
+        memset(dst, 0, wino_points(tile) * lay.point_size * sizeof(real))
     # One task per (NR panel, k-block): its rows of each point's packed
     # matrix are written in order, 36 sequential streams.  Walking c
     # outermost instead scattered every store over 36 x (OC/NR) panels,
@@ -155,7 +214,8 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # steps are when dst is (panel rows are NR values, oc % NR is a multiple
     # of VL, points point_size apart); a workspace block always is, a NumPy
     # array (PackedConv2d's filters) not necessarily.
-    cdef bint stream = (WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real) > wino_stream_bytes
+    cdef bint stream = (wino_points(tile) * lay.point_size * <Py_ssize_t>sizeof(real)
+                        > wino_stream_bytes
                         and (<size_t>dst) % VBYTES == 0
                         and (lay.point_size * <Py_ssize_t>sizeof(real)) % VBYTES == 0)
     for task in prange(n_panels * lay.n_kb, num_threads=nt, schedule="static"):
@@ -170,26 +230,12 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
                        + (oc - jb * lay.nc_blk) // NR * NR * blocks[kb].kc
                        + (c - blocks[kb].k0) * NR + oc % NR)
                 if oc + VL <= oc_end:
-                    if real is float:
-                        if stream:
-                            fc_wino_filter_nt_f32(src + c * src_c + oc, src_t, dst + off,
-                                                  lay.point_size)
-                        else:
-                            fc_wino_filter_f32(src + c * src_c + oc, src_t, dst + off,
-                                               lay.point_size)
-                    else:
-                        if stream:
-                            fc_wino_filter_nt_f64(src + c * src_c + oc, src_t, dst + off,
-                                                  lay.point_size)
-                        else:
-                            fc_wino_filter_f64(src + c * src_c + oc, src_t, dst + off,
-                                               lay.point_size)
+                    wino_filter(tile, True, stream, src + c * src_c + oc, src_t, dst + off,
+                                lay.point_size)
                     oc = oc + VL
                 else:
-                    if real is float:
-                        fc_wino_filter1_f32(src + c * src_c + oc, src_t, dst + off, lay.point_size)
-                    else:
-                        fc_wino_filter1_f64(src + c * src_c + oc, src_t, dst + off, lay.point_size)
+                    wino_filter(tile, False, False, src + c * src_c + oc, src_t, dst + off,
+                                lay.point_size)
                     oc = oc + 1
         if stream:
             fc_store_fence()
@@ -198,9 +244,9 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
 
 
 cdef inline Py_ssize_t wino_chunk_tiles(real dtype_tag, Py_ssize_t ldv, Py_ssize_t ldm,
-                                        Py_ssize_t tiles) noexcept nogil:
+                                        Py_ssize_t tiles, Py_ssize_t points) noexcept nogil:
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
-    cdef Py_ssize_t per_tile = WINO_POINTS * (ldv + ldm) * <Py_ssize_t>sizeof(real)
+    cdef Py_ssize_t per_tile = points * (ldv + ldm) * <Py_ssize_t>sizeof(real)
     cdef Py_ssize_t n = wino_chunk_bytes // per_tile
     if wino_chunk_bytes >= CHUNK_BYTES_FLOOR:
         n = max(n, WINO_MIN_TILES)
@@ -209,19 +255,21 @@ cdef inline Py_ssize_t wino_chunk_tiles(real dtype_tag, Py_ssize_t ldv, Py_ssize
 
 
 cdef struct WinoTiling:
-    # 4x4 output tiles.  A dilated layer's outputs o = a + d*i of residue a
+    # m x m output tiles (m = 4 or 2).  A dilated layer's outputs o = a + d*i of residue a
     # form an undilated convolution of the input sub-grid of step d (taps
     # d apart): tiles are cut per residue ("phase"), the window read and
     # the tile written d pixels apart.  per_h x per_w tiles per phase, DH x
     # DW phases per image; a phase with fewer outputs leaves its last tiles
     # partly or wholly empty.
     Py_ssize_t per_h, per_w, tiles_h, tiles_w
+    int m
 
 
-cdef inline WinoTiling wino_tiling(const ConvGeom* g) noexcept nogil:
+cdef inline WinoTiling wino_tiling(const ConvGeom* g, int tile) noexcept nogil:
     cdef WinoTiling t
-    t.per_h = cdiv(cdiv(g.OH, g.DH), WINO_TILE)
-    t.per_w = cdiv(cdiv(g.OW, g.DW), WINO_TILE)
+    t.m = tile
+    t.per_h = cdiv(cdiv(g.OH, g.DH), tile)
+    t.per_w = cdiv(cdiv(g.OW, g.DW), tile)
     t.tiles_h = g.DH * t.per_h
     t.tiles_w = g.DW * t.per_w
     return t
@@ -233,17 +281,18 @@ cdef inline void wino_tile_origin(const ConvGeom* g, const WinoTiling* tl, Py_ss
     n[0] = tile // (tl.tiles_h * tl.tiles_w)
     cdef Py_ssize_t r = tile - n[0] * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t th = r // tl.tiles_w, tw = r % tl.tiles_w
-    oh[0] = th // tl.per_h + g.DH * WINO_TILE * (th % tl.per_h)
-    ow[0] = tw // tl.per_w + g.DW * WINO_TILE * (tw % tl.per_w)
+    oh[0] = th // tl.per_h + g.DH * tl.m * (th % tl.per_h)
+    ow[0] = tw // tl.per_w + g.DW * tl.m * (tw % tl.per_w)
 
 
-cdef inline int window_span(Py_ssize_t i0, Py_ssize_t d, Py_ssize_t size, int* lo) noexcept nogil:
-    # Window positions r (input index i0 + d*r, r < WINO_WINDOW) inside
+cdef inline int window_span(Py_ssize_t i0, Py_ssize_t d, Py_ssize_t size, int window,
+                            int* lo) noexcept nogil:
+    # Window positions r (input index i0 + d*r, r < window) inside
     # [0, size): lo[0] .. the returned end (empty when end <= lo[0]).
     lo[0] = <int>(cdiv(-i0, d) if i0 < 0 else 0)
     if i0 >= size:
         return 0
-    return <int>min(WINO_WINDOW, (size - 1 - i0) // d + 1)
+    return <int>min(window, (size - 1 - i0) // d + 1)
 
 
 cdef void wino_input_tile(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -255,16 +304,23 @@ cdef void wino_input_tile(const ConvGeom* g, const real* x, ImageStrides xs,
     # The window rows r0..r1 and columns s0..s1 inside the image; img is
     # its first pixel there (no pointer outside the image is formed).
     cdef int r0, s0
-    cdef int r1 = window_span(ih0, g.DH, g.H, &r0), s1 = window_span(iw0, g.DW, g.W, &s0)
+    cdef int r1 = window_span(ih0, g.DH, g.H, tl.m + 2, &r0)
+    cdef int s1 = window_span(iw0, g.DW, g.W, tl.m + 2, &s0)
     cdef const real* img = x + n * xs.n
     if r1 <= r0 or s1 <= s0:
         r0 = r1 = s0 = s1 = 0        # a window wholly in the padding
     else:
         img = img + (ih0 + g.DH * r0) * xs.h + (iw0 + g.DW * s0) * xs.w
     if real is float:
-        fc_wino_input_f32(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
+        if tl.m == 2:
+            fc_wino2_input_f32(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
+        else:
+            fc_wino_input_f32(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
     else:
-        fc_wino_input_f64(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
+        if tl.m == 2:
+            fc_wino2_input_f64(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
+        else:
+            fc_wino_input_f64(img, xs.h * g.DH, xs.w * g.DW, r0, r1, s0, s1, g.C, v, sv)
 
 
 cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_ssize_t OC,
@@ -274,45 +330,53 @@ cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_s
     wino_tile_origin(g, tl, tile, &n, &oh, &ow)
     if oh >= g.OH or ow >= g.OW:
         return                       # past the last output of a short phase
-    cdef int rows = <int>min(WINO_TILE, cdiv(g.OH - oh, g.DH))
-    cdef int cols = <int>min(WINO_TILE, cdiv(g.OW - ow, g.DW))
+    cdef int rows = <int>min(tl.m, cdiv(g.OH - oh, g.DH))
+    cdef int cols = <int>min(tl.m, cdiv(g.OW - ow, g.DW))
     cdef real* dst = y + ((n * g.OH + oh) * g.OW + ow) * rsy
+    cdef Py_ssize_t syh = g.OW * rsy * g.DH, syw = rsy * g.DW
     if real is float:
-        fc_wino_output_f32(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW,
-                           rows, cols)
+        if tl.m == 2:
+            fc_wino2_output_f32(m, sm, OC, bias, act, add, dst, syh, syw, rows, cols)
+        else:
+            fc_wino_output_f32(m, sm, OC, bias, act, add, dst, syh, syw, rows, cols)
     else:
-        fc_wino_output_f64(m, sm, OC, bias, act, add, dst, g.OW * rsy * g.DH, rsy * g.DW,
-                           rows, cols)
+        if tl.m == 2:
+            fc_wino2_output_f64(m, sm, OC, bias, act, add, dst, syh, syw, rows, cols)
+        else:
+            fc_wino_output_f64(m, sm, OC, bias, act, add, dst, syh, syw, rows, cols)
 
 
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
                                 const real* prepacked, int max_threads,
-                                bint flipped=False, bint accumulate=False) noexcept nogil:
+                                bint flipped=False, bint accumulate=False,
+                                int tile=4) noexcept nogil:
     # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias (+ y
     # when accumulate)): the same contract as conv_forward_nogil for KH =
     # KW = 3, stride 1, dilation 1.  prepacked: NULL or
-    # pack_winograd_weights' U.  flipped:
+    # pack_winograd_weights' U (for the same tile).  tile: 4 for F(4x4, 3x3),
+    # 2 for F(2x2, 3x3).  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
-    cdef WinoTiling tl = wino_tiling(g)
+    cdef WinoTiling tl = wino_tiling(g, tile)
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
-    cdef int nt = threads_for(2.0 * WINO_POINTS * tiles * g.C * OC, max_threads)
+    cdef Py_ssize_t points = wino_points(tile)
+    cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
     cdef WinoLayout lay
     cdef KBlock* blocks = wino_layout(<real>0, g.C, OC, &lay)
     if blocks == NULL:
         return -1
     cdef real* upack = <real*>prepacked
     if prepacked == NULL:
-        upack = <real*>aligned_malloc(WINO_POINTS * lay.point_size * sizeof(real))
+        upack = <real*>aligned_malloc(points * lay.point_size * sizeof(real))
         if upack == NULL or wino_pack_filters(w, rsw, OC, g.C, flipped, blocks, &lay, nt,
-                                              upack) != 0:
+                                              tile, upack) != 0:
             aligned_free(upack)
             free(blocks)
             return -1
     cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
-    cdef Py_ssize_t per_tile = WINO_POINTS * (ldv + ldm) * <Py_ssize_t>sizeof(real)
+    cdef Py_ssize_t per_tile = points * (ldv + ldm) * <Py_ssize_t>sizeof(real)
     # Small filters (U <= 4 MiB: up to 128x128 channels): each thread takes
     # whole chunks of its own, sized to stay in its L2, and transforms,
     # multiplies and writes back its tiles alone.  Shared chunks (threads
@@ -324,15 +388,15 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     chunk = max(1, chunk)
     cdef Py_ssize_t n_own = cdiv(cdiv(tiles, chunk), nt) * nt
     cdef bint own_chunks = (nt > 1 and n_own <= tiles and
-                            WINO_POINTS * lay.point_size * <Py_ssize_t>sizeof(real)
+                            points * lay.point_size * <Py_ssize_t>sizeof(real)
                             <= WINO_OWN_MAX_U_BYTES)
     cdef int n_bufs = nt if own_chunks else 1
     if own_chunks:
         chunk = cdiv(tiles, n_own)       # equal chunks, a multiple of the threads
     else:
-        chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles)
-    cdef real* v = <real*>aligned_malloc(n_bufs * WINO_POINTS * chunk * ldv * sizeof(real))
-    cdef real* m = <real*>aligned_malloc(n_bufs * WINO_POINTS * chunk * ldm * sizeof(real))
+        chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles, points)
+    cdef real* v = <real*>aligned_malloc(n_bufs * points * chunk * ldv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(n_bufs * points * chunk * ldm * sizeof(real))
     if v == NULL or m == NULL:
         aligned_free(v)
         aligned_free(m)
@@ -346,13 +410,13 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef real* mt
     if own_chunks:
         for ci in prange(cdiv(tiles, chunk), num_threads=nt, schedule="static"):
-            vt = v + threadid() * WINO_POINTS * sv
-            mt = m + threadid() * WINO_POINTS * sm
+            vt = v + threadid() * points * sv
+            mt = m + threadid() * points * sm
             t0 = ci * chunk
             tc = min(chunk, tiles - t0)
             for t in range(tc):
                 wino_input_tile(g, x, xs, &tl, t0 + t, vt + t * ldv, sv)
-            for p in range(WINO_POINTS):
+            for p in range(points):
                 multiply_chunk(tc, blocks, lay.n_kb, OC, vt + p * sv, ldv, 1,
                                upack + p * lay.point_size, lay.nc_blk, 0, 1,
                                mt + p * sm, ldm, 0, NULL)
@@ -365,7 +429,7 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
             tc = min(chunk, tiles - t0)
             for t in prange(tc, num_threads=nt, schedule="static"):
                 wino_input_tile(g, x, xs, &tl, t0 + t, v + t * ldv, sv)
-            for p in prange(WINO_POINTS, num_threads=nt, schedule="static"):
+            for p in prange(points, num_threads=nt, schedule="static"):
                 multiply_chunk(tc, blocks, lay.n_kb, OC, v + p * sv, ldv, 1,
                                upack + p * lay.point_size, lay.nc_blk, 0, 1,
                                m + p * sm, ldm, 0, NULL)
@@ -380,9 +444,11 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     return 0
 
 
-def pack_winograd_weights(const real[:, ::1] w, int num_threads):
-    """w (OC, 3*3*C) as Winograd-domain filters packed for this ISA build,
-    to pass back as conv2d_winograd(..., packed=)."""
+def pack_winograd_weights(const real[:, ::1] w, int num_threads, int tile=4):
+    """w (OC, 3*3*C) as Winograd-domain filters of F(tile x tile, 3x3)
+    (tile 4 or 2) packed for this ISA build, to pass back as
+    conv2d_winograd(..., packed=, tile=)."""
+    check_winograd_tile(tile)
     cdef Py_ssize_t OC = w.shape[0], C = w.shape[1] // 9
     if C * 9 != w.shape[1] or C == 0 or OC == 0:
         raise ValueError(f"w must be (OC, 3*3*C) with OC, C >= 1; got {tuple(w.shape)[:2]}")
@@ -390,25 +456,36 @@ def pack_winograd_weights(const real[:, ::1] w, int num_threads):
     cdef KBlock* blocks = wino_layout(<real>0, C, OC, &lay)
     if blocks == NULL:
         raise MemoryError()
-    packed = np.empty(WINO_POINTS * lay.point_size, np.float32 if real is float else np.float64)
+    packed = np.empty(wino_points(tile) * lay.point_size,
+                      np.float32 if real is float else np.float64)
     cdef real[::1] dst = packed
     cdef int status
     with nogil:
         status = wino_pack_filters(&w[0, 0], w.strides[0] // sizeof(real), OC, C, False,
-                                   blocks, &lay,
-                                   num_threads, &dst[0])
+                                   blocks, &lay, num_threads, tile, &dst[0])
     free(blocks)
     if status != 0:
-        raise MemoryError(f"conv2d: could not allocate {WINO_POINTS * OC * C * sizeof(real)} "
+        raise MemoryError(f"conv2d: could not allocate {wino_points(tile) * OC * C * sizeof(real)} "
                           f"bytes for the Winograd filter transform")
-    return PackedWeights(packed, ISA, (OC, 9 * C), (3, 3), "winograd")
+    return PackedWeights(packed, ISA, (OC, 9 * C), (3, 3), wino_packed_tag(tile))
+
+
+cdef check_winograd_tile(int tile):
+    if tile != 2 and tile != 4:
+        raise ValueError(f"tile must be 4 (F(4x4, 3x3)) or 2 (F(2x2, 3x3)); got {tile}")
+
+
+cdef str wino_packed_tag(int tile):
+    # What PackedWeights records: filters of one variant fit no other.
+    return "winograd" if tile == 4 else "winograd2"
 
 
 def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                     pad_before, out_hw, int num_threads, int activation=ACT_NONE,
-                    packed=None, bint flipped=False, dilation=(1, 1), bint accumulate=False):
+                    packed=None, bint flipped=False, dilation=(1, 1), bint accumulate=False,
+                    int tile=4):
     """y = act(conv3x3(x, w) (+ bias) (+ y when accumulate: a residual the
-    caller stored there)) by Winograd F(4x4, 3x3), stride 1,
+    caller stored there)) by Winograd F(tile x tile, 3x3) (4 or 2), stride 1,
     any dilation (see WinoTiling): x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC);
     packed None or pack_winograd_weights(w).  flipped: w is (C, 3*3*OC),
     the weight of the convolution whose input gradient this one is, used
@@ -435,14 +512,15 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     if bias is not None:
         bias_view = bias
         bias_ptr = &bias_view[0]
-    cdef const real* packed_ptr = checked_packed(packed, <real>0, "winograd",
+    check_winograd_tile(tile)
+    cdef const real* packed_ptr = checked_packed(packed, <real>0, wino_packed_tag(tile),
                                                  (w.shape[0], w.shape[1]), (3, 3))
     cdef int status
     with nogil:
         status = winograd_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0],
                                         w.strides[0] // item, OC, bias_ptr, activation,
                                         &y[0, 0], y.strides[0] // item, packed_ptr, num_threads,
-                                        flipped, accumulate)
+                                        flipped, accumulate, tile)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")
 

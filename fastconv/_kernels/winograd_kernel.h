@@ -1,4 +1,5 @@
-/* Winograd F(4x4, 3x3) transforms, one source for every ISA build.
+/* Winograd F(4x4, 3x3) and F(2x2, 3x3) transforms, one source for every
+ * ISA build.
  *
  * A 4x4 output tile of a 3x3 stride-1 convolution is
  *     Y = A^T [ sum_c (G g_c G^T) . (B^T d_c B) ] A
@@ -69,78 +70,110 @@
         r[3] = (T)3.375 * d12_ + (T)(8.0 / 27) * d34_ + m[5];                   \
     } while (0)
 
-/* One step of the input transform: the 6x6 window of channels c..c+width
- * (V holds them) -> its 36 transformed values, point i at v + i*sv + c.
- * Rows r0..r1, columns s0..s1 of the window are inside the image; the
- * rest is the zero padding. */
-#define FC_WINO_INPUT_STEP(T, V)                                                \
+/* F(2x2, 3x3), Lavin & Gray's points 0, +-1 (and infinity): 16
+ * multiplications per channel pair, for layers with few tiles, where the
+ * 36 x C x OC transformed filters of F(4x4) are most of the memory traffic
+ * (7x7 at batch 1: 38 MB for 512 channels, 16.8 MB here).  Its rounding
+ * error is about the direct method's.  r[0..3] = B^T d[0..3] */
+#define FC_WINO2_BT(T, d, r)                                                    \
+    do {                                                                        \
+        r[0] = d[0] - d[2];                                                     \
+        r[1] = d[1] + d[2];                                                     \
+        r[2] = d[2] - d[1];                                                     \
+        r[3] = d[1] - d[3];                                                     \
+    } while (0)
+
+/* r[0..3] = G g[0..2] */
+#define FC_WINO2_G(T, g, r)                                                     \
+    do {                                                                        \
+        __typeof__(g[0]) h_ = (T)0.5 * (g[0] + g[2]);                           \
+        r[0] = g[0];                                                            \
+        r[1] = h_ + (T)0.5 * g[1];                                              \
+        r[2] = h_ - (T)0.5 * g[1];                                              \
+        r[3] = g[2];                                                            \
+    } while (0)
+
+/* r[0..1] = A^T m[0..3] */
+#define FC_WINO2_AT(T, m, r)                                                    \
+    do {                                                                        \
+        r[0] = m[0] + m[1] + m[2];                                              \
+        r[1] = m[1] - m[2] - m[3];                                              \
+    } while (0)
+
+/* One step of the input transform: the AxA window (A = 6 for F(4x4), 4
+ * for F(2x2); BT its 1-D transform) of channels c..c+width (V holds them)
+ * -> its A*A transformed values, point i at v + i*sv + c.  Rows r0..r1,
+ * columns s0..s1 of the window are inside the image; the rest is the zero
+ * padding. */
+#define FC_WINO_INPUT_STEP(T, V, A, BT)                                         \
     {                                                                           \
-        V d_[6][6], u_[6][6], col_[6], out_[6];                                 \
-        FC_UNROLL for (int r = 0; r < 6; r++)                                   \
-            FC_UNROLL for (int s = 0; s < 6; s++) {                             \
+        V d_[A][A], u_[A][A], col_[A], out_[A];                                 \
+        FC_UNROLL for (int r = 0; r < (A); r++)                                 \
+            FC_UNROLL for (int s = 0; s < (A); s++) {                           \
                 if (r >= r0 && r < r1 && s >= s0 && s < s1)                     \
-                    memcpy(&d_[r][s], img + (r - r0) * sh + (s - s0) * sw + c,      \
-                           sizeof(V));    \
+                    memcpy(&d_[r][s], img + (r - r0) * sh + (s - s0) * sw + c,  \
+                           sizeof(V));                                          \
                 else                                                            \
                     memset(&d_[r][s], 0, sizeof(V));                            \
             }                                                                   \
-        FC_UNROLL for (int s = 0; s < 6; s++) {                                 \
-            FC_UNROLL for (int r = 0; r < 6; r++) col_[r] = d_[r][s];           \
-            FC_WINO_BT(T, col_, out_);                                          \
-            FC_UNROLL for (int r = 0; r < 6; r++) u_[r][s] = out_[r];           \
+        FC_UNROLL for (int s = 0; s < (A); s++) {                               \
+            FC_UNROLL for (int r = 0; r < (A); r++) col_[r] = d_[r][s];         \
+            BT(T, col_, out_);                                                  \
+            FC_UNROLL for (int r = 0; r < (A); r++) u_[r][s] = out_[r];         \
         }                                                                       \
-        FC_UNROLL for (int r = 0; r < 6; r++) {                                 \
-            FC_WINO_BT(T, u_[r], out_);                                         \
-            FC_UNROLL for (int s = 0; s < 6; s++)                               \
-                memcpy(v + (r * 6 + s) * sv + c, &out_[s], sizeof(V));          \
+        FC_UNROLL for (int r = 0; r < (A); r++) {                               \
+            BT(T, u_[r], out_);                                                 \
+            FC_UNROLL for (int s = 0; s < (A); s++)                             \
+                memcpy(v + (r * (A) + s) * sv + c, &out_[s], sizeof(V));        \
         }                                                                       \
     }
 
 /* The filter transform of one V of filters: tap t (row-major 3x3) of
- * them at w + t*ts -> their 36 values, point i at u + i*su. */
+ * them at w + t*ts -> their A*A values (G the 1-D transform), point i at
+ * u + i*su. */
 #define FC_WINO_STORE(u, v) memcpy((u), &(v), sizeof(v))
-#define FC_WINO_FILTER_STEP(T, V) FC_WINO_FILTER_STEP_STORE(T, V, FC_WINO_STORE)
-#define FC_WINO_FILTER_STEP_STORE(T, V, STORE)                                  \
+#define FC_WINO_FILTER_STEP(T, V, A, G, STORE)                                  \
     {                                                                           \
-        V g_[3][3], t_[6][3], col_[3], out_[6];                                 \
+        V g_[3][3], t_[A][3], col_[3], out_[A];                                 \
         FC_UNROLL for (int r = 0; r < 3; r++)                                   \
             FC_UNROLL for (int s = 0; s < 3; s++)                               \
                 memcpy(&g_[r][s], w + (r * 3 + s) * ts, sizeof(V));             \
         FC_UNROLL for (int s = 0; s < 3; s++) {                                 \
             FC_UNROLL for (int r = 0; r < 3; r++) col_[r] = g_[r][s];           \
-            FC_WINO_G(T, col_, out_);                                           \
-            FC_UNROLL for (int r = 0; r < 6; r++) t_[r][s] = out_[r];           \
+            G(T, col_, out_);                                                   \
+            FC_UNROLL for (int r = 0; r < (A); r++) t_[r][s] = out_[r];         \
         }                                                                       \
-        FC_UNROLL for (int r = 0; r < 6; r++) {                                 \
-            FC_WINO_G(T, t_[r], out_);                                          \
-            FC_UNROLL for (int s = 0; s < 6; s++)                               \
-                STORE(u + (r * 6 + s) * su, out_[s]);                           \
+        FC_UNROLL for (int r = 0; r < (A); r++) {                               \
+            G(T, t_[r], out_);                                                  \
+            FC_UNROLL for (int s = 0; s < (A); s++)                             \
+                STORE(u + (r * (A) + s) * su, out_[s]);                         \
         }                                                                       \
     }
 
-/* One step of the output transform: 36 products (point i at m + i*sm + k)
- * -> the 4x4 tile, + bias, + what y holds when add (a residual the caller
- * put there), activation, rows < rows and columns < cols stored at
- * y + r*syh + s*syw + k.  ACT(T, V, x) applies the activation. */
-#define FC_WINO_OUTPUT_STEP(T, V, ACT)                                          \
+/* One step of the output transform: A*A products (point i at m + i*sm +
+ * k) -> the MxM tile (AT the 1-D transform), + bias, + what y holds when
+ * add (a residual the caller put there), activation, rows < rows and
+ * columns < cols stored at y + r*syh + s*syw + k.  ACT(T, V, x) applies
+ * the activation. */
+#define FC_WINO_OUTPUT_STEP(T, V, A, M, AT, ACT)                                \
     {                                                                           \
-        V m_[6][6], t_[4][6], col_[6], out_[4], b_;                             \
-        FC_UNROLL for (int r = 0; r < 6; r++)                                   \
-            FC_UNROLL for (int s = 0; s < 6; s++)                               \
-                memcpy(&m_[r][s], m + (r * 6 + s) * sm + k, sizeof(V));         \
+        V m_[A][A], t_[M][A], col_[A], out_[M], b_;                             \
+        FC_UNROLL for (int r = 0; r < (A); r++)                                 \
+            FC_UNROLL for (int s = 0; s < (A); s++)                             \
+                memcpy(&m_[r][s], m + (r * (A) + s) * sm + k, sizeof(V));       \
         if (bias != NULL)                                                       \
             memcpy(&b_, bias + k, sizeof(V));                                   \
         else                                                                    \
             memset(&b_, 0, sizeof(V));                                          \
-        FC_UNROLL for (int s = 0; s < 6; s++) {                                 \
-            FC_UNROLL for (int r = 0; r < 6; r++) col_[r] = m_[r][s];           \
-            FC_WINO_AT(T, col_, out_);                                          \
-            FC_UNROLL for (int r = 0; r < 4; r++) t_[r][s] = out_[r];           \
+        FC_UNROLL for (int s = 0; s < (A); s++) {                               \
+            FC_UNROLL for (int r = 0; r < (A); r++) col_[r] = m_[r][s];         \
+            AT(T, col_, out_);                                                  \
+            FC_UNROLL for (int r = 0; r < (M); r++) t_[r][s] = out_[r];         \
         }                                                                       \
-        FC_UNROLL for (int r = 0; r < 4; r++) {                                 \
+        FC_UNROLL for (int r = 0; r < (M); r++) {                               \
             if (r >= rows) break;                                               \
-            FC_WINO_AT(T, t_[r], out_);                                         \
-            FC_UNROLL for (int s = 0; s < 4; s++) {                             \
+            AT(T, t_[r], out_);                                                 \
+            FC_UNROLL for (int s = 0; s < (M); s++) {                           \
                 if (s >= cols) break;                                           \
                 V o_ = out_[s] + b_, r_;                                        \
                 if (add) {                                                      \
@@ -181,39 +214,40 @@
         }                                                                       \
     } while (0)
 
-#define FC_DEFINE_WINOGRAD(SUFFIX, T, ITYPE)                                    \
-    typedef ITYPE fc_wino_mask_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
-                                                                                \
+/* The three transforms of one variant: PRE is fc_wino (F(4x4)) or
+ * fc_wino2 (F(2x2)), A its window, M its tile, BT/G/AT its 1-D transforms. */
+#define FC_DEFINE_WINOGRAD_VARIANT(PRE, SUFFIX, T, A, M, BT, G, AT)             \
     /* img points at pixel (r0, s0) of the window, the first inside the      \
        image. */                                                                \
-    static inline void fc_wino_input_##SUFFIX(                                  \
+    static inline void PRE##_input_##SUFFIX(                                    \
         const T *img, ptrdiff_t sh, ptrdiff_t sw, int r0, int r1, int s0,       \
         int s1, ptrdiff_t C, T *restrict v, ptrdiff_t sv)                       \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
         ptrdiff_t c = 0;                                                        \
-        for (; c + VL <= C; c += VL) FC_WINO_INPUT_STEP(T, fc_vec_##SUFFIX)     \
-        for (; c < C; c++) FC_WINO_INPUT_STEP(T, T)                             \
+        for (; c + VL <= C; c += VL)                                            \
+            FC_WINO_INPUT_STEP(T, fc_vec_##SUFFIX, A, BT)                       \
+        for (; c < C; c++) FC_WINO_INPUT_STEP(T, T, A, BT)                      \
     }                                                                           \
                                                                                 \
     /* FC_VBYTES of filters (vectorised over output channels: w is the    \
        weight transposed to (tap, c, OC)), and one filter. */                   \
-    static inline void fc_wino_filter_##SUFFIX(                                 \
+    static inline void PRE##_filter_##SUFFIX(                                   \
         const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
-    FC_WINO_FILTER_STEP(T, fc_vec_##SUFFIX)                                     \
+    FC_WINO_FILTER_STEP(T, fc_vec_##SUFFIX, A, G, FC_WINO_STORE)                \
                                                                                 \
     /* The same with non-temporal stores, u vector-aligned: for filters   \
        far larger than the caches (36 x 512 x 512 floats: 38 MB per call),  \
        whose lines would be read for ownership, then evicted unread. */     \
-    static inline void fc_wino_filter_nt_##SUFFIX(                              \
+    static inline void PRE##_filter_nt_##SUFFIX(                                \
         const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
-    FC_WINO_FILTER_STEP_STORE(T, fc_vec_##SUFFIX, FC_STREAM_##SUFFIX)           \
+    FC_WINO_FILTER_STEP(T, fc_vec_##SUFFIX, A, G, FC_STREAM_##SUFFIX)           \
                                                                                 \
-    static inline void fc_wino_filter1_##SUFFIX(                                \
+    static inline void PRE##_filter1_##SUFFIX(                                  \
         const T *w, ptrdiff_t ts, T *restrict u, ptrdiff_t su)                  \
-    FC_WINO_FILTER_STEP(T, T)                                                   \
+    FC_WINO_FILTER_STEP(T, T, A, G, FC_WINO_STORE)                              \
                                                                                 \
-    static inline void fc_wino_output_##SUFFIX(                                 \
+    static inline void PRE##_output_##SUFFIX(                                   \
         const T *m, ptrdiff_t sm, ptrdiff_t K, const T *bias, int act, int add, \
         T *restrict y, ptrdiff_t syh, ptrdiff_t syw, int rows, int cols)        \
     {                                                                           \
@@ -221,9 +255,16 @@
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
         ptrdiff_t k = 0;                                                        \
         for (; k + VL <= K; k += VL)                                            \
-            FC_WINO_OUTPUT_STEP(T, fc_vec_##SUFFIX, FC_WINO_ACT_VECTOR)         \
-        for (; k < K; k++) FC_WINO_OUTPUT_STEP(T, T, FC_WINO_ACT_SCALAR)        \
+            FC_WINO_OUTPUT_STEP(T, fc_vec_##SUFFIX, A, M, AT, FC_WINO_ACT_VECTOR) \
+        for (; k < K; k++) FC_WINO_OUTPUT_STEP(T, T, A, M, AT, FC_WINO_ACT_SCALAR) \
     }
+
+#define FC_DEFINE_WINOGRAD(SUFFIX, T, ITYPE)                                    \
+    typedef ITYPE fc_wino_mask_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
+    FC_DEFINE_WINOGRAD_VARIANT(fc_wino, SUFFIX, T, 6, 4, FC_WINO_BT, FC_WINO_G, \
+                               FC_WINO_AT)                                      \
+    FC_DEFINE_WINOGRAD_VARIANT(fc_wino2, SUFFIX, T, 4, 2, FC_WINO2_BT,          \
+                               FC_WINO2_G, FC_WINO2_AT)
 
 FC_DEFINE_WINOGRAD(f32, float, int32_t)
 FC_DEFINE_WINOGRAD(f64, double, int64_t)
