@@ -364,9 +364,12 @@ def counter_rate_during(call, idle=0.3):
 
 def test_gil_probe_detects_a_call_holding_the_gil():
     """The probe below, on a C call that holds the GIL (a regex that
-    backtracks for ~100 ms): no progress inside the call."""
+    backtracks for ~200-300 ms): no progress inside the call.  With 28
+    characters (50-80 ms) the counter once reached 7 % of its idle rate in
+    CI: a thread switch around the call that lands past the 10 ms margins
+    weighs more in a short call."""
     import re
-    pattern, text = re.compile(r"(a|aa)*b"), "a" * 28 + "c"
+    pattern, text = re.compile(r"(a|aa)*b"), "a" * 31 + "c"
     idle_rate, busy_rate, seconds = counter_rate_during(lambda: pattern.match(text))
     assert idle_rate > 0 and seconds > 0.03
     assert busy_rate < 0.05 * idle_rate, (busy_rate, idle_rate, seconds)

@@ -33,7 +33,8 @@ cdef extern from "winograd_kernel.h":
     void fc_wino_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
     void fc_wino_filter_nt_f64(const double* w, Py_ssize_t ts, double* u,
         Py_ssize_t su) noexcept nogil
-    void fc_wino_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino_filter1_f64(const double* w, Py_ssize_t ts, double* u,
+        Py_ssize_t su) noexcept nogil
     void fc_wino_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
         int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
         int cols) noexcept nogil
@@ -48,10 +49,12 @@ cdef extern from "winograd_kernel.h":
         int cols) noexcept nogil
     void fc_wino2_input_f64(const double* img, Py_ssize_t sh, Py_ssize_t sw, int r0, int r1,
         int s0, int s1, Py_ssize_t C, double* v, Py_ssize_t sv) noexcept nogil
-    void fc_wino2_filter_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter_f64(const double* w, Py_ssize_t ts, double* u,
+        Py_ssize_t su) noexcept nogil
     void fc_wino2_filter_nt_f64(const double* w, Py_ssize_t ts, double* u,
         Py_ssize_t su) noexcept nogil
-    void fc_wino2_filter1_f64(const double* w, Py_ssize_t ts, double* u, Py_ssize_t su) noexcept nogil
+    void fc_wino2_filter1_f64(const double* w, Py_ssize_t ts, double* u,
+        Py_ssize_t su) noexcept nogil
     void fc_wino2_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
         int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
         int cols) noexcept nogil
@@ -255,12 +258,12 @@ cdef inline Py_ssize_t wino_chunk_tiles(real dtype_tag, Py_ssize_t ldv, Py_ssize
 
 
 cdef struct WinoTiling:
-    # m x m output tiles (m = 4 or 2).  A dilated layer's outputs o = a + d*i of residue a
-    # form an undilated convolution of the input sub-grid of step d (taps
-    # d apart): tiles are cut per residue ("phase"), the window read and
-    # the tile written d pixels apart.  per_h x per_w tiles per phase, DH x
-    # DW phases per image; a phase with fewer outputs leaves its last tiles
-    # partly or wholly empty.
+    # m x m output tiles (m = 4 or 2).  A dilated layer's outputs o = a +
+    # d*i of residue a form an undilated convolution of the input sub-grid
+    # of step d (taps d apart): tiles are cut per residue ("phase"), the
+    # window read and the tile written d pixels apart.  per_h x per_w tiles
+    # per phase, DH x DW phases per image; a phase with fewer outputs
+    # leaves its last tiles partly or wholly empty.
     Py_ssize_t per_h, per_w, tiles_h, tiles_w
     int m
 
