@@ -51,8 +51,9 @@
  * accumulators: storing them to a stack tile for the frame to add to C
  * cost ~4 % of a K = 27 product (VGG conv1_1, 1 thread), ~1 % at K = 64
  * (1x1 64->256), where C's own traffic dominates the epilogue.  A
- * frame with a tile it cannot finish so (partial, alpha, beta, strided C)
- * passes a stack tile (out = acc, rso = NR, no flags) and finishes it.
+ * frame with a tile it cannot finish so (partial width, alpha != 1, beta
+ * other than 0 and 1, strided C) passes a stack tile (out = acc, rso = NR,
+ * no flags) and finishes it.
  *
  * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
