@@ -308,7 +308,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     """(N, OH, OW, OC) convolution of NHWC x by w2d (OC, KH*KW*Cg), + bias,
     + residual (None or an array of the result's shape), then the
     activation.  packed: None, or a callable giving the packed weights for
-    (kernels, group, algorithm)."""
+    (kernels, group, algorithm[, Winograd tile])."""
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
@@ -317,50 +317,38 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     y = empty_aligned((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y
-    nt = get_num_threads()
-    # The GEMM paths add a residual in their epilogue, before the
-    # activation: y starts as a copy of it and they accumulate onto it
-    # (ResNet's relu(conv(x) + shortcut): no sum array, no separate add and
-    # relu passes).  The direct kernels and an empty x add it afterwards.
-    fused = residual is None or (
-        x.size != 0 and algorithm != "direct"
-        and not (_groups_in_parallel(groups, nt) and algorithm in ("implicit", "winograd")))
-    if residual is not None and fused:
-        np.copyto(y, residual)
-    if not fused:
-        _forward_into(y, x, w2d, groups, geo, bias, algorithm, None, packed, False)
-        y += residual
-        return _activate(y, activation)
-    _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed,
-                  residual is not None)
-    return y
-
-
-def _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed, accumulate):
-    """y = act(conv(x) (+ bias) (+ y when accumulate)), algorithm chosen;
-    accumulate only on the GEMM paths (see _forward)."""
-    C, K = x.shape[3], w2d.shape[1]
-    OC = w2d.shape[0]
-    act = _ACTIVATIONS[activation]
     if x.size == 0:
         # No input pixel (every tap is padding) or no input channel.
         y[...] = 0 if bias is None else bias
+        if residual is not None:
+            y += residual
         return _activate(y, activation)
     kernels, nt = _dispatch.kernels, get_num_threads()
+    act = _ACTIVATIONS[activation]
+    # Kernels that cannot add a residual run without the activation then;
+    # _add_late_residual adds both after them.
+    act_alone = act if residual is None else _ACTIVATIONS[None]
     if algorithm == "direct" and _is_depthwise(groups, C):
         kernels.depthwise_forward(x, _tap_weights(w2d, geo.kernel), bias, y,
-                                  *geo[:4], nt, act)
-        return y
+                                  *geo[:4], nt, act_alone)
+        return _add_late_residual(y, residual, activation)
     if algorithm == "direct":
         kernels.grouped_direct_forward(x, _grouped_tap_weights(w2d, groups, geo.kernel), bias,
-                                       y, *geo[:4], nt, act)
-        return y
+                                       y, *geo[:4], nt, act_alone)
+        return _add_late_residual(y, residual, activation)
     y_rows = _pixel_matrix(y)
     if _groups_in_parallel(groups, nt) and algorithm in ("implicit", "winograd"):
         kernels.conv2d_forward_groups(
-            x, w2d, bias, y_rows, groups, *geo, nt, act, algorithm == "winograd",
+            x, w2d, bias, y_rows, groups, *geo, nt, act_alone, algorithm == "winograd",
             None if packed is None else [packed(kernels, g, algorithm) for g in range(groups)])
-        return y
+        return _add_late_residual(y, residual, activation)
+    # The GEMM and Winograd paths add a residual in their epilogue, before
+    # the activation: y starts as a copy of it and they accumulate onto it
+    # (ResNet's relu(conv(x) + shortcut): no sum array, no separate add and
+    # relu passes).
+    accumulate = residual is not None
+    if accumulate:
+        np.copyto(y, residual)
     beta = 1.0 if accumulate else 0.0
     for g, (c, oc) in enumerate(_group_slices(groups, C, OC)):
         b = None if bias is None else bias[oc]
@@ -382,6 +370,16 @@ def _forward_into(y, x, w2d, groups, geo, bias, algorithm, activation, packed, a
                                    None if packed is None else packed(kernels, g, algorithm),
                                    accumulate)
     return y
+
+
+def _add_late_residual(y, residual, activation):
+    """For a y computed without its activation when there is a residual
+    (a path whose kernel cannot add one): y + residual, then the
+    activation.  Without a residual y is finished already."""
+    if residual is None:
+        return y
+    y += residual
+    return _activate(y, activation)
 
 
 def _activate(y, activation):

@@ -1089,6 +1089,18 @@ def test_residual_is_added_before_the_activation(x_shape, w_shape, kwargs, algor
     assert_close(y.transpose(0, 2, 3, 1), ref, dtype, w[0].size, "NCHW output", scale)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_no_input_channel_gives_bias_residual_and_activation(residual):
+    """With no input channel every output is the bias (+ the residual),
+    then the activation: the path that runs no kernel at all."""
+    x, w = np.ones((2, 5, 4, 0), np.float32), np.ones((3, 3, 3, 0), np.float32)
+    b = np.array([-1.0, 2.0, 7.0], np.float32)
+    r = np.random.default_rng(0).standard_normal((2, 5, 4, 3)).astype(np.float32)
+    y = conv2d(x, w, b, padding=1, activation="relu6", residual=r if residual else None)
+    np.testing.assert_array_equal(y, np.clip(b + r if residual else np.broadcast_to(b, y.shape),
+                                             0, 6))
+
+
 def test_bad_residual_is_refused():
     x, w = np.ones((1, 5, 5, 4), np.float32), np.ones((6, 3, 3, 4), np.float32)
     with pytest.raises(ValueError, match=r"residual must have the result's shape \(1, 3, 3, 6\)"):

@@ -472,21 +472,21 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                         out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
                     if s.interior:
                         if real is float:
-                            fc_taps_kernel_out_f32(s.mr, n_runs, run_off, run_len,
-                                                   x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
-                                                   out, rso, flags, out_bias, out_act)
+                            fc_taps_kernel_f32(s.mr, n_runs, run_off, run_len,
+                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
+                                               out, rso, flags, out_bias, out_act)
                         else:
-                            fc_taps_kernel_out_f64(s.mr, n_runs, run_off, run_len,
-                                                   x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
-                                                   out, rso, flags, out_bias, out_act)
+                            fc_taps_kernel_f64(s.mr, n_runs, run_off, run_len,
+                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
+                                               out, rso, flags, out_bias, out_act)
                     elif real is float:
-                        fc_micro_kernel_out_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                                bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                                out_act)
+                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
+                                            bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                            out_act)
                     else:
-                        fc_micro_kernel_out_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                                bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                                out_act)
+                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
+                                            bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                            out_act)
                     if out == acc:
                         write_tile(acc, NR, yt, rsy, 1, s.mr, min(NR, nc - jr), 1, beta,
                                    kb == 0, tile_bias, tile_act, stream)

@@ -32,33 +32,24 @@ cdef extern from "micro_kernel.h":
         D_NR "FC_D_NR"
         D_KC "FC_D_KC"
         D_NC "FC_D_NC"
-    void fc_micro_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
-                             const float* b, float* acc) noexcept nogil
-    void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
-                             const double* b, double* acc) noexcept nogil
-    void fc_taps_kernel_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
-                            const float* a0, Py_ssize_t rsa, const float* b,
-                            float* acc) noexcept nogil
-    void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
-                            const double* a0, Py_ssize_t rsa, const double* b,
-                            double* acc) noexcept nogil
     enum:
         OUT_ADD "FC_OUT_ADD"
         OUT_STREAM "FC_OUT_STREAM"
-    void fc_micro_kernel_out_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
-                                 const float* b, float* out, Py_ssize_t rso, int flags,
-                                 const float* bias, int act) noexcept nogil
-    void fc_micro_kernel_out_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
-                                 const double* b, double* out, Py_ssize_t rso, int flags,
-                                 const double* bias, int act) noexcept nogil
-    void fc_taps_kernel_out_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off,
-                                Py_ssize_t kc, const float* a0, Py_ssize_t rsa,
-                                const float* b, float* out, Py_ssize_t rso, int flags,
-                                const float* bias, int act) noexcept nogil
-    void fc_taps_kernel_out_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off,
-                                Py_ssize_t kc, const double* a0, Py_ssize_t rsa,
-                                const double* b, double* out, Py_ssize_t rso, int flags,
-                                const double* bias, int act) noexcept nogil
+    # The micro-kernels (micro_kernel.h): a tile finished into out, rows
+    # rso apart (flags FC_OUT_ADD, FC_OUT_STREAM; bias; act).
+    void fc_micro_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
+                             const float* b, float* out, Py_ssize_t rso, int flags,
+                             const float* bias, int act) noexcept nogil
+    void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
+                             const double* b, double* out, Py_ssize_t rso, int flags,
+                             const double* bias, int act) noexcept nogil
+    void fc_taps_kernel_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
+                            const float* a0, Py_ssize_t rsa, const float* b, float* out,
+                            Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
+    void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
+                            const double* a0, Py_ssize_t rsa, const double* b, double* out,
+                            Py_ssize_t rso, int flags, const double* bias,
+                            int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil
@@ -257,7 +248,7 @@ cdef inline int tile_out_flags(Py_ssize_t nr, Py_ssize_t nr_full, const real* c,
                                Py_ssize_t csc, real alpha, real beta, bint first,
                                bint stream) noexcept nogil:
     # The flags with which a micro-kernel finishes this tile straight into
-    # C (fc_micro_kernel_out: full width, unit column stride, alpha 1, beta
+    # C (fc_micro_kernel: full width, unit column stride, alpha 1, beta
     # 0 or 1, or a later K block), streamed as write_tile would; -1 for a
     # tile that goes through a stack tile and write_tile.
     if nr != nr_full or csc != 1 or alpha != 1 or (first and beta != 0 and beta != 1):
@@ -462,11 +453,11 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             else:
                 out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
             if real is float:
-                fc_micro_kernel_out_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                        out_bias, out_act)
+                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                    out_bias, out_act)
             else:
-                fc_micro_kernel_out_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                        out_bias, out_act)
+                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                    out_bias, out_act)
             if out == acc:
                 write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
                            NULL if bias == NULL else bias + jr, act, stream)

@@ -133,39 +133,24 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
     X(SUFFIX, T, 16, NR)
 
-/* fc_taps_kernel_out / fc_micro_kernel_out finish the tile into out (see
- * above); fc_taps_kernel / fc_micro_kernel store it to acc (R x NR,
- * row-major) for the caller. */
 #define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, IT, NR)                               \
     typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
     typedef IT fc_ivec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));        \
     FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
-    static inline void fc_taps_kernel_out_##SUFFIX(                             \
+    static inline void fc_taps_kernel_##SUFFIX(                                 \
         int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
         const T *a0, ptrdiff_t rsa, const T *b, T *out, ptrdiff_t rso,          \
         int flags, const T *bias, int act)                                      \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
     }                                                                           \
-    static inline void fc_taps_kernel_##SUFFIX(                                 \
-        int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
-        const T *a0, ptrdiff_t rsa, const T *b, T *acc)                         \
-    {                                                                           \
-        fc_taps_kernel_out_##SUFFIX(mr, ntaps, tap_off, kc, a0, rsa, b, acc,    \
-                                    (NR), 0, NULL, 0);                          \
-    }                                                                           \
-    static inline void fc_micro_kernel_out_##SUFFIX(                            \
+    static inline void fc_micro_kernel_##SUFFIX(                                \
         int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *out,    \
         ptrdiff_t rso, int flags, const T *bias, int act)                       \
     {                                                                           \
         static const ptrdiff_t no_offset = 0;                                   \
-        fc_taps_kernel_out_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, out, rso, \
-                                    flags, bias, act);                          \
-    }                                                                           \
-    static inline void fc_micro_kernel_##SUFFIX(                                \
-        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *acc)    \
-    {                                                                           \
-        fc_micro_kernel_out_##SUFFIX(mr, kc, a, rsa, b, acc, (NR), 0, NULL, 0); \
+        fc_taps_kernel_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, out, rso,     \
+                                flags, bias, act);                              \
     }
 
 /* sum_k a[k] * x[k] over n contiguous values: four vector accumulators
