@@ -299,8 +299,8 @@ def test_packed_winograd_filters(isa, tile):
     (1, 56, 8, 8, 1, True, "implicit"),         # 8 channels: even prepacked
     (1, 14, 512, 512, 1, False, "implicit"),    # 16 tiles: not yet at 512x512
     (2, 14, 512, 512, 1, False, "winograd"),    # 32 tiles
-    (1, 56, 64, 64, 2, False, "im2col"),        # strided, 1.8 MiB of patches
-    (8, 56, 64, 64, 2, False, "implicit"),      # strided, 14 MiB of patches
+    (1, 56, 64, 64, 2, False, "implicit"),      # strided: never im2col, even
+    (8, 56, 64, 64, 2, False, "implicit"),      # with 1.8 MiB of patches at b1
 ])
 def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     geo = fastconv.conv._Geometry((3, 3), (stride, stride), (1, 1), (1, 1),

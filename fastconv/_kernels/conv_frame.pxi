@@ -252,6 +252,13 @@ cdef inline Py_ssize_t max_block_depth(const KBlock* blocks, Py_ssize_t n) noexc
     return depth
 
 
+cdef inline Py_ssize_t max_block_taps(const KBlock* blocks, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t b, taps = 0
+    for b in range(n):
+        taps = max(taps, blocks[b].ntaps)
+    return taps
+
+
 cdef inline Py_ssize_t packed_b_size(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
                                      Py_ssize_t nc_blk) noexcept nogil:
     return cdiv(N, nc_blk) * n_kb * max_block_depth(blocks, n_kb) * nc_blk
@@ -315,13 +322,12 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          NULL if bias == NULL else bias + jc, ACT_NONE)
 
 
-cdef struct Segment:
-    # Up to MR consecutive output pixels of one output row.  Interior
-    # segments (no tap in the padding) are read straight from the image:
-    # a_off is the element offset of the first pixel's tap (0, 0).  Others
-    # have their patch rows in the chunk buffer from row a_off.
-    Py_ssize_t m0, mr, a_off
-    bint interior
+cdef struct PixelRow:
+    # Where one output pixel's patch row is read from: the image, its tap
+    # (0, 0) at image (every tap inside the image), or its patch row built
+    # in the chunk buffer (some tap in the padding).
+    const void* base
+    bint built
 
 
 cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag) noexcept nogil:
@@ -330,11 +336,11 @@ cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag
     return (g.SW * xs.w * <Py_ssize_t>sizeof(real)) % 4096 != 0
 
 
-cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh, bint use_taps,
-                                      Py_ssize_t min_run) noexcept nogil:
+cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh,
+                                      bint use_taps) noexcept nogil:
     # Output columns of output row oh whose every tap is inside the image,
-    # as [lo, hi); empty (OW, OW) when fewer than min_run: a run shorter than
-    # a micro-panel multiplies faster from packed patch rows.
+    # as [lo, hi); empty (OW, OW) when none is, or when the image is not to
+    # be read in place (taps_path_ok).
     cdef RowRange r
     cdef Py_ssize_t ih0 = oh * g.SH - g.PT, last
     r.lo = g.OW
@@ -342,86 +348,76 @@ cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh, bint use
     if use_taps and ih0 >= 0 and ih0 + (g.KH - 1) * g.DH < g.H:
         last = g.W - 1 - (g.KW - 1) * g.DW + g.PL     # the last usable ow * SW
         if last >= 0:
-            r.lo = cdiv(g.PL, g.SW)
+            r.lo = min(g.OW, cdiv(g.PL, g.SW))
             r.hi = min(g.OW, last // g.SW + 1)
-            if r.hi - r.lo < min_run:
+            if r.hi <= r.lo:
                 r.lo = g.OW
                 r.hi = g.OW
     return r
 
 
-cdef Py_ssize_t plan_segments(const ConvGeom* g, const real* x, ImageStrides xs,
-                              Py_ssize_t m0, Py_ssize_t m1, bint use_taps,
-                              real* buf, Py_ssize_t ld, Segment* segs) noexcept nogil:
-    # Cut pixels m0..m1 into segments of at most MR: interior runs within
-    # one output row, and runs of other pixels (across rows) whose patch
-    # rows are built into buf.  Returns the number of segments.
-    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
+                          Py_ssize_t m0, Py_ssize_t m1, bint use_taps,
+                          real* buf, Py_ssize_t ld, PixelRow* rows) noexcept nogil:
+    # rows[m - m0] for pixels m0..m1: the image where all of the pixel's taps
+    # are inside it; otherwise its patch row, built into buf (a run of such
+    # pixels with one im2col_rows call).
     cdef Py_ssize_t ohw = g.OH * g.OW
-    cdef Py_ssize_t m = m0, n, r, oh, ow, end, nseg = 0, nbuf = 0
+    cdef Py_ssize_t m = m0, n, r, oh, ow, end, nbuf = 0
     cdef RowRange cols
-    cdef bint interior
     while m < m1:
         n = m // ohw
         r = m - n * ohw
         oh = r // g.OW
         ow = r - oh * g.OW
-        cols = interior_columns(g, oh, use_taps, MR)
-        interior = cols.lo <= ow < cols.hi
-        if interior:
-            end = min(m1, m + MR, m + cols.hi - ow)
+        cols = interior_columns(g, oh, use_taps)
+        if cols.lo <= ow < cols.hi:
+            end = min(m1, m + cols.hi - ow)
+            while m < end:
+                rows[m - m0].base = x + n * xs.n + (oh * g.SH - g.PT) * xs.h + (ow * g.SW - g.PL) * xs.w
+                rows[m - m0].built = False
+                m += 1
+                ow += 1
         else:
-            # Extend across the border pixels of this row and the next ones.
-            end = m
-            while end < m1 and end - m < MR:
-                r = end - (end // ohw) * ohw
-                oh = r // g.OW
-                ow = r - oh * g.OW
-                cols = interior_columns(g, oh, use_taps, MR)
-                if cols.lo <= ow < cols.hi:
-                    break
-                end = min(m1, m + MR, end + (cols.lo - ow if ow < cols.lo else g.OW - ow))
-        segs[nseg].m0 = m
-        segs[nseg].mr = end - m
-        segs[nseg].interior = interior
-        if interior:
-            segs[nseg].a_off = n * xs.n + (oh * g.SH - g.PT) * xs.h + (ow * g.SW - g.PL) * xs.w
-        else:
+            # Up to the row's first interior column, or to the row's end.
+            end = min(m1, m + (cols.lo - ow if ow < cols.lo else g.OW - ow))
             im2col_rows(g, x, xs, m, end, buf + nbuf * ld, ld)
-            segs[nseg].a_off = nbuf
-            nbuf += end - m
-        nseg += 1
-        m = end
-    return nseg
+            while m < end:
+                rows[m - m0].base = buf + nbuf * ld
+                rows[m - m0].built = True
+                nbuf += 1
+                m += 1
 
 
-cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
-                            const Py_ssize_t* tap_off, const Segment* segs, Py_ssize_t nseg,
-                            const real* buf, Py_ssize_t ld,
-                            const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
-                            const real* bpack, Py_ssize_t nc_blk,
-                            Py_ssize_t js, Py_ssize_t n_js,
-                            const real* bias, int act, real* y, Py_ssize_t rsy,
-                            bint stream, const real* w, Py_ssize_t rsw,
-                            real* own_block, real beta) noexcept nogil:
-    # y[segment pixels, share js of the output channels] = patches @ w.T (+
-    # bias) (+ y when beta is 1): the forward's macro-kernel.  Per k-block,
-    # each segment's A slice stays in L1 while the NR panels of the block
-    # stream from L2.  stream: y's full tiles go out with non-temporal
-    # stores (can_stream).
+cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
+                              const Py_ssize_t* tap_off, const PixelRow* rows, Py_ssize_t npix,
+                              const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
+                              const real* bpack, Py_ssize_t nc_blk,
+                              Py_ssize_t js, Py_ssize_t n_js,
+                              const real* bias, int act, real* y, Py_ssize_t rsy,
+                              bint stream, const real* w, Py_ssize_t rsw,
+                              real* own_block, const real** table, real beta) noexcept nogil:
+    # y[the npix pixels, share js of the output channels] = patches @ w.T
+    # (+ bias) (+ y when beta is 1): the forward's macro-kernel.  Every MR
+    # consecutive pixels are one tile, whatever output rows and borders they
+    # span: per k-block, the tile's run pointers go into table (see
+    # fc_indirect_kernel), its A slice stays in L1 while the NR panels of
+    # the block stream from L2.  stream: y's full tiles go out with
+    # non-temporal stores (can_stream).
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
     # own_block is given, this task packs its share of each block of w into
     # own_block (one block, kc_max x nc_blk) just before multiplying it.
     # tap_off holds the KH*KW taps' offsets, then the KH kernel rows'.
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
-    cdef Py_ssize_t rsa = g.SW * xs.w
     cdef real acc[MAX_TILE]
-    cdef Py_ssize_t jb, kb, jc, nc, n_panels, si, jp, jr, n_runs, run_len
+    cdef Py_ssize_t jb, kb, jc, nc, n_panels, ti, i0, mr, i, r, jp, jr, n_runs, run_len
     cdef const Py_ssize_t* run_off
     cdef const real* bblk
+    cdef const real* a
     cdef const KBlock* blk
-    cdef const Segment* s
+    cdef const PixelRow* pix
     cdef real* yt
     cdef real* out
     cdef const real* tile_bias
@@ -429,9 +425,10 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t rso
     cdef int flags, tile_act, out_act
     # With dense pixels and no dilation along rows, a kernel row's taps are
-    # one run of KW*C values in the image: a block of whole kernel rows is
-    # read as one run per row (7x7 over RGB: 7 runs of 21 instead of 49 of
-    # 3; each run restarts the micro-kernel's inner loop).
+    # one run of KW*C values in the image (and in a built patch row): a
+    # block of whole kernel rows is read as one run per row (7x7 over RGB:
+    # 7 runs of 21 instead of 49 of 3; each run restarts the micro-kernel's
+    # inner loop).
     cdef bint rows_dense = g.DW == 1 and xs.w == g.C
     for jb in range(cdiv(OC, nc_blk)):
         jc = jb * nc_blk
@@ -456,11 +453,25 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                 bblk = own_block
             else:
                 bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
-            for si in range(nseg):
-                s = segs + si
+            for ti in range(cdiv(npix, MR)):
+                i0 = ti * MR
+                mr = min(MR, npix - i0)
+                # Run r of pixel i: in the image, its tap offset past the
+                # pixel's tap (0, 0); in a built patch row, at the block's
+                # column k0, runs run_len apart.
+                for i in range(mr):
+                    pix = rows + i0 + i
+                    if pix.built:
+                        a = <const real*>pix.base + blk.k0
+                        for r in range(n_runs):
+                            table[r * mr + i] = a + r * run_len
+                    else:
+                        a = <const real*>pix.base + blk.c0
+                        for r in range(n_runs):
+                            table[r * mr + i] = a + run_off[r]
                 for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
                     jr = jp * NR
-                    yt = y + s.m0 * rsy + jc + jr
+                    yt = y + i0 * rsy + jc + jr
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
                     tile_act = act if kb == n_kb - 1 else ACT_NONE
                     # Finished by the kernel into y, or into acc for write_tile.
@@ -470,25 +481,16 @@ cdef void multiply_segments(const ConvGeom* g, const real* x, ImageStrides xs,
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
                     else:
                         out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
-                    if s.interior:
-                        if real is float:
-                            fc_taps_kernel_f32(s.mr, n_runs, run_off, run_len,
-                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
-                                               out, rso, flags, out_bias, out_act)
-                        else:
-                            fc_taps_kernel_f64(s.mr, n_runs, run_off, run_len,
-                                               x + s.a_off + blk.c0, rsa, bblk + jr * blk.kc,
-                                               out, rso, flags, out_bias, out_act)
-                    elif real is float:
-                        fc_micro_kernel_f32(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                            bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                            out_act)
+                    if real is float:
+                        fc_indirect_kernel_f32(mr, n_runs, <const float* const*>table, run_len,
+                                               bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                               out_act)
                     else:
-                        fc_micro_kernel_f64(s.mr, blk.kc, buf + s.a_off * ld + blk.k0, ld,
-                                            bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                            out_act)
+                        fc_indirect_kernel_f64(mr, n_runs, <const double* const*>table, run_len,
+                                               bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                               out_act)
                     if out == acc:
-                        write_tile(acc, NR, yt, rsy, 1, s.mr, min(NR, nc - jr), 1, beta,
+                        write_tile(acc, NR, yt, rsy, 1, mr, min(NR, nc - jr), 1, beta,
                                    kb == 0, tile_bias, tile_act, stream)
     if stream:
         fc_store_fence()
@@ -503,9 +505,10 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # when accumulate: a residual the caller stored there)); w is OHWI
     # flattened (OC x K, row stride rsw), y row m has stride rsy.  prepacked,
     # when not NULL, is w as pack_conv_weights laid it out.  Implicit
-    # GEMM: pixels whose taps are all inside the image are multiplied
-    # straight from it (fc_taps_kernel); only the border pixels' patch rows
-    # are built, a chunk at a time.
+    # GEMM with an indirection table: pixels whose taps are all inside the
+    # image are multiplied straight from it, the border pixels from their
+    # patch rows, built a chunk at a time; tiles mix both
+    # (multiply_pixel_rows).
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = S_KC if real is float else D_KC
@@ -561,13 +564,18 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     elif prepacked == NULL:
         bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
-    cdef Segment* seg_bufs = <Segment*>malloc(nt * R * sizeof(Segment))
-    if (bpack == NULL and own_blocks == NULL) or bufs == NULL or seg_bufs == NULL:
+    cdef PixelRow* pixel_rows = <PixelRow*>malloc(nt * R * sizeof(PixelRow))
+    # A tile's run pointers: at most one run per tap of a block.
+    cdef Py_ssize_t table_size = max_block_taps(blocks, n_kb) * MR
+    cdef const real** tables = <const real**>malloc(nt * table_size * sizeof(real*))
+    if ((bpack == NULL and own_blocks == NULL) or bufs == NULL or pixel_rows == NULL
+            or tables == NULL):
         if prepacked == NULL:
             aligned_free(bpack)
             aligned_free(own_blocks)
         aligned_free(bufs)
-        free(seg_bufs)
+        free(pixel_rows)
+        free(tables)
         free(blocks)
         free(tap_off)
         return -1
@@ -577,22 +585,24 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # schedule gives each thread whole shares: chunk-major order handed one
     # thread 36 of 49 rows' work at 512->512 @7 batch 1 (3 chunks x 2
     # shares).
-    cdef Py_ssize_t task, m0, tid, nseg
+    cdef Py_ssize_t task, m0, m1, tid
     for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
         m0 = (task % n_ic) * R
         tid = threadid()
-        nseg = plan_segments(g, x, xs, m0, min(M, m0 + R), use_taps,
-                             bufs + tid * R * ld, ld, seg_bufs + tid * R)
-        multiply_segments(g, x, xs, tap_off, seg_bufs + tid * R, nseg,
-                          bufs + tid * R * ld, ld, blocks, n_kb, OC, bpack, nc_blk,
-                          task // n_ic, n_js, bias, act, y, rsy, stream, w, rsw,
-                          own_blocks + tid * own_size if pack_own else NULL,
-                          <real>accumulate)
+        m1 = min(M, m0 + R)
+        plan_pixel_rows(g, x, xs, m0, m1, use_taps, bufs + tid * R * ld, ld,
+                        pixel_rows + tid * R)
+        multiply_pixel_rows(g, xs, tap_off, pixel_rows + tid * R, m1 - m0,
+                            blocks, n_kb, OC, bpack, nc_blk, task // n_ic, n_js, bias, act,
+                            y + m0 * rsy, rsy, stream, w, rsw,
+                            own_blocks + tid * own_size if pack_own else NULL,
+                            tables + tid * table_size, <real>accumulate)
     if prepacked == NULL:
         aligned_free(bpack)
         aligned_free(own_blocks)
     aligned_free(bufs)
-    free(seg_bufs)
+    free(pixel_rows)
+    free(tables)
     free(blocks)
     free(tap_off)
     return 0

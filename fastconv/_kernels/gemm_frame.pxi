@@ -43,13 +43,12 @@ cdef extern from "micro_kernel.h":
     void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
                              const double* b, double* out, Py_ssize_t rso, int flags,
                              const double* bias, int act) noexcept nogil
-    void fc_taps_kernel_f32(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
-                            const float* a0, Py_ssize_t rsa, const float* b, float* out,
-                            Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
-    void fc_taps_kernel_f64(int mr, Py_ssize_t ntaps, const Py_ssize_t* tap_off, Py_ssize_t kc,
-                            const double* a0, Py_ssize_t rsa, const double* b, double* out,
-                            Py_ssize_t rso, int flags, const double* bias,
-                            int act) noexcept nogil
+    void fc_indirect_kernel_f32(int mr, Py_ssize_t nruns, const float* const* rows, Py_ssize_t kc,
+                                const float* b, float* out, Py_ssize_t rso, int flags,
+                                const float* bias, int act) noexcept nogil
+    void fc_indirect_kernel_f64(int mr, Py_ssize_t nruns, const double* const* rows, Py_ssize_t kc,
+                                const double* b, double* out, Py_ssize_t rso, int flags,
+                                const double* bias, int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil

@@ -18,6 +18,7 @@
 #define FASTCONV_MICRO_KERNEL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #if !defined(__GNUC__)
@@ -32,17 +33,21 @@
 #endif
 
 /* out = A (R x K) @ B_panel (K x NR), finished in registers.  A is never
- * packed: row i of A is read in place, ntaps runs of kc contiguous values
- * each, run t starting at a0 + i*rsa + tap_off[t].
+ * packed: its rows are read in place, nruns runs of kc contiguous values
+ * each.
  *
- * - A plain GEMM has one run (ntaps = 1, offset 0): row-major A, rows rsa
+ * - A plain GEMM (fc_micro_kernel) has one run: row-major A, rows rsa
  *   apart.  Packing a row-major A into k-major panels would be a transpose
  *   that cost 6-20 % on conv-shaped products, while these in-place reads
  *   run as fast.
- * - An implicit-GEMM convolution has one run per kernel tap: R consecutive
- *   output pixels of one row read their input pixels rsa = stride * pixel
- *   stride apart, and each tap is one more offset into the image (valid
- *   where no tap of the R pixels falls in the padding).
+ * - An implicit-GEMM convolution (fc_indirect_kernel) has one run per
+ *   kernel tap or kernel row, and a table of row pointers: run t of row i
+ *   starts at rows[t*R + i].  Each of the R output pixels points into the
+ *   image where its taps are inside, or into its patch row, built in a
+ *   buffer, where some tap falls in the padding; so any R consecutive
+ *   pixels make a tile, across output rows and image borders alike (tiles
+ *   cut at row ends and borders ran 12+12+3+1 pixels for a 28-wide row,
+ *   ~13 % of a strided 3x3 layer's time in the short ones).
  *
  * The R x NR result goes to out (rows rso apart): added to what is there
  * (FC_OUT_ADD), plus bias[0:NR] when bias is given, clamped by act (1 relu,
@@ -57,31 +62,43 @@
  *
  * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
- * one.  Kernels with R above the build's MR are never called. */
+ * one.  Kernels with R above the build's MR are never called.
+ *
+ * ROW(t, i) is the first value of run t of row i; the row pointers are
+ * loaded once per run, and the inner loop indexes them (GCC keeps them in
+ * registers, as it did the offsets i*rsa). */
 enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
-#define FC_KERNEL_BODY(SUFFIX, T, MR, NR)                                       \
+#define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW)                          \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
-        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
+        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL, ROWS = (MR) };       \
         VEC c[MR][NV];                                                          \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
             FC_UNROLL for (int j = 0; j < NV; j++)                              \
                 c[i][j] = (VEC){0};                                             \
-        for (ptrdiff_t t = 0; t < ntaps; t++) {                                 \
-            const T *a = a0 + tap_off[t];                                       \
+        for (ptrdiff_t t = 0; t < (NRUNS); t++) {                               \
+            /* Row i as a byte offset from row 0, which steps through k:   \
+               base + offset addressing, as GCC gives plain row-major A     \
+               (indexing each row pointer by k, base + 4*k, ran ~5 %      \
+               slower on Zen 4). */                                          \
+            const char *a = (const char *)(ROW(t, 0));                          \
+            ptrdiff_t off[MR];                                                  \
+            FC_UNROLL for (int i = 0; i < (MR); i++)                            \
+                off[i] = (ptrdiff_t)((uintptr_t)(ROW(t, i)) - (uintptr_t)a);    \
             for (ptrdiff_t p = 0; p < kc; p++) {                                \
                 VEC bv[NV];                                                     \
                 /* memcpy: an unaligned-safe vector load the compiler folds. */ \
                 FC_UNROLL for (int j = 0; j < NV; j++)                          \
                     memcpy(&bv[j], b + j * VL, FC_VBYTES);                      \
                 FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
-                    const T ai = a[i * rsa];                                    \
+                    T ai;                                                       \
+                    memcpy(&ai, a + off[i], sizeof(T));                         \
                     FC_UNROLL for (int j = 0; j < NV; j++)                      \
                         c[i][j] += ai * bv[j];                                  \
                 }                                                               \
-                a += 1;                                                         \
+                a += sizeof(T);                                                 \
                 b += (NR);                                                      \
             }                                                                   \
         }                                                                       \
@@ -113,17 +130,28 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
             }                                                                   \
     }
 
-#define FC_DEFINE_ROWS_KERNEL(SUFFIX, T, R, NR)                                  \
-    static inline void fc_taps_kernel_##SUFFIX##_##R(                           \
-        ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,                \
-        const T *restrict a0, ptrdiff_t rsa, const T *restrict b,               \
+#define FC_PLAIN_ROW(t, i) (a0 + (i) * rsa)
+#define FC_TABLE_ROW(t, i) (rows[(t) * ROWS + (i)])
+
+#define FC_DEFINE_ROWS_KERNELS(SUFFIX, T, R, NR)                                 \
+    static inline void fc_micro_kernel_##SUFFIX##_##R(                          \
+        ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, const T *restrict b, \
         T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
         int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR)
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW)                           \
+    static inline void fc_indirect_kernel_##SUFFIX##_##R(                       \
+        ptrdiff_t nruns, const T *const *restrict rows, ptrdiff_t kc,           \
+        const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
+        const T *restrict bias, int act)                                        \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW)
 
-#define FC_ROWS_CASE(SUFFIX, T, R, NR)                                           \
-    case R: fc_taps_kernel_##SUFFIX##_##R(ntaps, tap_off, kc, a0, rsa, b, out, rso, \
-                                          flags, bias, act); break;
+#define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
+    case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, b, out, rso, flags,     \
+                                           bias, act); break;
+
+#define FC_INDIRECT_CASE(SUFFIX, T, R, NR)                                       \
+    case R: fc_indirect_kernel_##SUFFIX##_##R(nruns, rows, kc, b, out, rso,     \
+                                              flags, bias, act); break;
 
 #define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
     X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
@@ -136,21 +164,18 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 #define FC_DEFINE_MICRO_KERNELS(SUFFIX, T, IT, NR)                               \
     typedef T fc_vec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));          \
     typedef IT fc_ivec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));        \
-    FC_FOR_ROWS(FC_DEFINE_ROWS_KERNEL, SUFFIX, T, NR)                           \
-    static inline void fc_taps_kernel_##SUFFIX(                                 \
-        int mr, ptrdiff_t ntaps, const ptrdiff_t *tap_off, ptrdiff_t kc,        \
-        const T *a0, ptrdiff_t rsa, const T *b, T *out, ptrdiff_t rso,          \
-        int flags, const T *bias, int act)                                      \
-    {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_ROWS_CASE, SUFFIX, T, NR) }                \
-    }                                                                           \
+    FC_FOR_ROWS(FC_DEFINE_ROWS_KERNELS, SUFFIX, T, NR)                          \
     static inline void fc_micro_kernel_##SUFFIX(                                \
-        int mr, ptrdiff_t kc, const T *a, ptrdiff_t rsa, const T *b, T *out,    \
+        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t rsa, const T *b, T *out,   \
         ptrdiff_t rso, int flags, const T *bias, int act)                       \
     {                                                                           \
-        static const ptrdiff_t no_offset = 0;                                   \
-        fc_taps_kernel_##SUFFIX(mr, 1, &no_offset, kc, a, rsa, b, out, rso,     \
-                                flags, bias, act);                              \
+        switch (mr) { FC_FOR_ROWS(FC_MICRO_CASE, SUFFIX, T, NR) }               \
+    }                                                                           \
+    static inline void fc_indirect_kernel_##SUFFIX(                             \
+        int mr, ptrdiff_t nruns, const T *const *rows, ptrdiff_t kc,            \
+        const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_INDIRECT_CASE, SUFFIX, T, NR) }            \
     }
 
 /* sum_k a[k] * x[k] over n contiguous values: four vector accumulators
