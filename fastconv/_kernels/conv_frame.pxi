@@ -323,9 +323,9 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
 
 
 cdef struct PixelRow:
-    # Where one output pixel's patch row is read from: the image, its tap
-    # (0, 0) at image (every tap inside the image), or its patch row built
-    # in the chunk buffer (some tap in the padding).
+    # Where one output pixel's patch row is read from: base is the pixel's
+    # tap (0, 0) in the image when every tap is inside it; otherwise its
+    # patch row, built in the chunk buffer (built).
     const void* base
     bint built
 
@@ -374,7 +374,8 @@ cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
         if cols.lo <= ow < cols.hi:
             end = min(m1, m + cols.hi - ow)
             while m < end:
-                rows[m - m0].base = x + n * xs.n + (oh * g.SH - g.PT) * xs.h + (ow * g.SW - g.PL) * xs.w
+                rows[m - m0].base = (x + n * xs.n + (oh * g.SH - g.PT) * xs.h
+                                     + (ow * g.SW - g.PL) * xs.w)
                 rows[m - m0].built = False
                 m += 1
                 ow += 1

@@ -427,19 +427,22 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef const real* tile_bias = bias if first else NULL
     cdef const real* out_bias
     cdef int flags, out_act
-    for ip in range(cdiv(mc, MR)):
-        ir = ip * MR
-        mr = min(MR, mc - ir)
-        next_rows = min(MR, mc - ir - MR)
+    # Row tiles of equal size (within one row), as in multiply_pixel_rows:
+    # M = 49 as 9 + 4 x 10, not 4 x 12 + 1.
+    cdef Py_ssize_t n_tiles = cdiv(mc, MR)
+    for ip in range(n_tiles):
+        ir = ip * mc // n_tiles
+        mr = (ip + 1) * mc // n_tiles - ir
+        next_rows = (ip + 2) * mc // n_tiles - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
         if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
         elif next_rows > 0:
-            fc_prefetch_rows(a + (ir + MR) * rsa, next_rows, rsa * sizeof(real),
+            fc_prefetch_rows(a + (ir + mr) * rsa, next_rows, rsa * sizeof(real),
                              kc * sizeof(real))
         if next_rows > 0 and csc == 1 and not stream:
-            fc_prefetchw_rows(c + (ir + MR) * rsc + jp0 * NR, next_rows, rsc * sizeof(real),
+            fc_prefetchw_rows(c + (ir + mr) * rsc + jp0 * NR, next_rows, rsc * sizeof(real),
                               (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
         for jp in range(jp0, jp1):
             jr = jp * NR

@@ -46,8 +46,8 @@
  *   image where its taps are inside, or into its patch row, built in a
  *   buffer, where some tap falls in the padding; so any R consecutive
  *   pixels make a tile, across output rows and image borders alike (tiles
- *   cut at row ends and borders ran 12+12+3+1 pixels for a 28-wide row,
- *   ~13 % of a strided 3x3 layer's time in the short ones).
+ *   cut at row ends and borders ran 1+12+12+3 pixels for a 28-wide row,
+ *   and a strided 3x3 layer spent ~15 % of its time in the short ones).
  *
  * The R x NR result goes to out (rows rso apart): added to what is there
  * (FC_OUT_ADD), plus bias[0:NR] when bias is given, clamped by act (1 relu,
@@ -64,9 +64,9 @@
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
  * one.  Kernels with R above the build's MR are never called.
  *
- * ROW(t, i) is the first value of run t of row i; the row pointers are
- * loaded once per run, and the inner loop indexes them (GCC keeps them in
- * registers, as it did the offsets i*rsa). */
+ * ROW(t, i) points at the first value of run t of row i; at the start of
+ * each run the kernel turns the R pointers into byte offsets from row 0's
+ * (see the loop). */
 enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 #define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW)                          \
