@@ -315,7 +315,8 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
         nc = min(nc_blk, N - jc)
         n_panels = cdiv(nc, NR)
         for kb in range(n_kb):
-            macro_kernel(rows, nc, blocks[kb].kc, js * n_panels // n_js, (js + 1) * n_panels // n_js,
+            macro_kernel(rows, nc, blocks[kb].kc,
+                         share_start(js, n_panels, n_js), share_start(js + 1, n_panels, n_js),
                          a + blocks[kb].k0 * csa, rsa, csa,
                          bpack + (jb * n_kb + kb) * kc_max * nc_blk,
                          c + jc, rsc, 1, 1, beta, kb == 0,
@@ -413,7 +414,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef real acc[MAX_TILE]
-    cdef Py_ssize_t jb, kb, jc, nc, n_panels, ti, i0, mr, i, r, jp, jr, n_runs, run_len
+    cdef Py_ssize_t jb, kb, jc, nc, n_panels, jp0, jp1, ti, i0, mr, i, r, jp, jr, n_runs, run_len
     cdef const Py_ssize_t* run_off
     cdef const real* bblk
     cdef const real* a
@@ -439,6 +440,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
         jc = jb * nc_blk
         nc = min(nc_blk, OC - jc)
         n_panels = cdiv(nc, NR)
+        jp0 = share_start(js, n_panels, n_js)
+        jp1 = share_start(js + 1, n_panels, n_js)
         for kb in range(n_kb):
             blk = blocks + kb
             if (rows_dense and blk.cw == g.C and blk.t0 % g.KW == 0
@@ -451,7 +454,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                 run_off = tap_off + blk.t0
                 run_len = blk.cw
             if own_block != NULL:
-                for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
+                for jp in range(jp0, jp1):
                     jr = jp * NR
                     pack_b_panel(blk.kc, min(NR, nc - jr), w + blk.k0 + (jc + jr) * rsw,
                                  1, rsw, own_block + jr * blk.kc)
@@ -459,8 +462,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
             else:
                 bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
             for ti in range(n_tiles):
-                i0 = ti * npix // n_tiles
-                mr = (ti + 1) * npix // n_tiles - i0
+                i0 = share_start(ti, npix, n_tiles)
+                mr = share_start(ti + 1, npix, n_tiles) - i0
                 # Run r of pixel i: in the image, its tap offset past the
                 # pixel's tap (0, 0); in a built patch row, at the block's
                 # column k0, runs run_len apart.
@@ -474,7 +477,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                         a = <const real*>pix.base + blk.c0
                         for r in range(n_runs):
                             table[r * mr + i] = a + run_off[r]
-                for jp in range(js * n_panels // n_js, (js + 1) * n_panels // n_js):
+                for jp in range(jp0, jp1):
                     jr = jp * NR
                     yt = y + i0 * rsy + jc + jr
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
@@ -541,12 +544,12 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # multiplication.
     cdef Py_ssize_t m_panels = cdiv(M, MR), n_chunks = cdiv(M, R), n_ic, n_js
     best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
-    if n_chunks < 8 * n_ic:
-        # Equal chunks, as many as a multiple of the pixel shares: 784
-        # pixels as 512 + 272 left one thread idle a third of the call.
-        n_chunks = cdiv(n_chunks, n_ic) * n_ic
-        R = cdiv(m_panels, n_chunks) * MR
-        n_chunks = cdiv(M, R)
+    # Chunks of equal size (within one micro-panel), as many as a multiple
+    # of the pixel shares: 784 pixels as 512 + 272 left one thread idle a
+    # third of the call, and as 3 x 204 + 172 (chunks rounded up to whole
+    # panels) one thread waited ~10 % of it (3x3/2 64->128 @56 b1, perf).
+    n_chunks = cdiv(n_chunks, n_ic) * n_ic
+    R = cdiv(m_panels, n_chunks) * MR
     if n_js > 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
         # Each chunk streams the thread's share of the packed weights from
         # L3 or memory once: with the columns split, one chunk of every
@@ -592,9 +595,9 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # shares).
     cdef Py_ssize_t task, m0, m1, tid
     for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
-        m0 = (task % n_ic) * R
+        m0 = min(M, share_start(task % n_ic, m_panels, n_ic) * MR)
+        m1 = min(M, share_start(task % n_ic + 1, m_panels, n_ic) * MR)
         tid = threadid()
-        m1 = min(M, m0 + R)
         plan_pixel_rows(g, x, xs, m0, m1, use_taps, bufs + tid * R * ld, ld,
                         pixel_rows + tid * R)
         multiply_pixel_rows(g, xs, tap_off, pixel_rows + tid * R, m1 - m0,

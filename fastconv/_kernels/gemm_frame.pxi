@@ -168,6 +168,12 @@ cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
+cdef inline Py_ssize_t share_start(Py_ssize_t s, Py_ssize_t n, Py_ssize_t ways) noexcept nogil:
+    # Where share s starts when n units are dealt `ways` ways as evenly as
+    # they go (sizes differ by at most one unit).
+    return s * n // ways
+
+
 cdef inline double share_efficiency(Py_ssize_t units, Py_ssize_t ways) noexcept nogil:
     # Fraction of ways x (largest share) that is real work when `units`
     # indivisible units are dealt out `ways` ways.
@@ -431,9 +437,9 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # M = 49 as 9 + 4 x 10, not 4 x 12 + 1.
     cdef Py_ssize_t n_tiles = cdiv(mc, MR)
     for ip in range(n_tiles):
-        ir = ip * mc // n_tiles
-        mr = (ip + 1) * mc // n_tiles - ir
-        next_rows = (ip + 2) * mc // n_tiles - (ir + mr) if ip + 1 < n_tiles else 0
+        ir = share_start(ip, mc, n_tiles)
+        mr = share_start(ip + 1, mc, n_tiles) - ir
+        next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
         if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
@@ -605,8 +611,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                  rsb, csb,
                                  bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
         for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
-            ic = min(M, (task // n_js) * m_panels // n_ic * MR)
-            ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
+            ic = min(M, share_start(task // n_js, m_panels, n_ic) * MR)
+            ic_end = min(M, share_start(task // n_js + 1, m_panels, n_ic) * MR)
             js = task % n_js
             if ic_end > ic:
                 for jblk in range(n_jb):
@@ -617,7 +623,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                         pc = pblk * kc_blk
                         # Panels of a short last K block sit kc_blk apart.
                         macro_kernel_ld(ic_end - ic, nc, min(kc_blk, K - pc), kc_blk,
-                                        js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                                        share_start(js, n_panels, n_js),
+                                        share_start(js + 1, n_panels, n_js),
                                         a + ic * rsa + pc * csa, rsa, csa,
                                         bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
                                         c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
@@ -638,12 +645,13 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                 pack_b_panel(kc, min(NR, nc - jp * NR), b + pc * rsb + (jc + jp * NR) * csb,
                              rsb, csb, bbuf + jp * NR * kc)
             for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
-                ic = min(M, (task // n_js) * m_panels // n_ic * MR)
-                ic_end = min(M, ((task // n_js) + 1) * m_panels // n_ic * MR)
+                ic = min(M, share_start(task // n_js, m_panels, n_ic) * MR)
+                ic_end = min(M, share_start(task // n_js + 1, m_panels, n_ic) * MR)
                 js = task % n_js
                 if ic_end > ic:
                     macro_kernel(ic_end - ic, nc, kc,
-                                 js * n_panels // n_js, (js + 1) * n_panels // n_js,
+                                 share_start(js, n_panels, n_js),
+                                 share_start(js + 1, n_panels, n_js),
                                  a + ic * rsa + pc * csa, rsa, csa, bbuf,
                                  c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
                                  NULL if bias == NULL else bias + jc,
