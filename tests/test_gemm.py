@@ -295,20 +295,21 @@ def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_transposed_a_every_panel_width(isa, dtype):
-    # A.T is copied into row-major slices by register transposes of whole
-    # and half squares, the rest one value at a time: M from 2 to 30 gives
-    # every slice width of every build (MR 6, 12, 14), and K = 45 leaves
-    # rows past the last square.  Each row of A.T is followed by NaN, so a
-    # copy that reads past its slice poisons C.
-    N, K = 33, 45
-    for M in range(2, 31):
-        rng = rng_for("at widths", isa, dtype_id(dtype), M)
-        base = np.full((K, M + 9), np.nan, dtype)
-        base[:, :M] = randn(rng, (K, M), dtype)
-        at = base[:, :M]
-        b = randn(rng, (K, N), dtype)
-        got = GEMM[dtype](1.0, at, b, trans_a=True)
-        check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
+    # A.T is copied k-major, one copy function and one micro-kernel per
+    # tile height: M from 2 to 30 gives every tile height of every build
+    # (MR 6, 12, 14); K = 600 is three K blocks, the last one short, and
+    # each tile prefetches its share of the next block's rows.  Each row of
+    # A.T is followed by NaN, so a copy that reads past its slice poisons C.
+    N = 33
+    for K in (45, 600):
+        for M in range(2, 31):
+            rng = rng_for("at widths", isa, dtype_id(dtype), M, K)
+            base = np.full((K, M + 9), np.nan, dtype)
+            base[:, :M] = randn(rng, (K, M), dtype)
+            at = base[:, :M]
+            b = randn(rng, (K, N), dtype)
+            got = GEMM[dtype](1.0, at, b, trans_a=True)
+            check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
 
 
 # ------------------------------------- strided / negative-stride operands

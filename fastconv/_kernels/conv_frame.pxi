@@ -320,7 +320,8 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          a + blocks[kb].k0 * csa, rsa, csa,
                          bpack + (jb * n_kb + kb) * kc_max * nc_blk,
                          c + jc, rsc, 1, 1, beta, kb == 0,
-                         NULL if bias == NULL else bias + jc, ACT_NONE)
+                         NULL if bias == NULL else bias + jc, ACT_NONE,
+                         blocks[kb + 1].kc if kb + 1 < n_kb else 0)
 
 
 cdef struct PixelRow:
@@ -621,7 +622,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             const real* patches, Py_ssize_t ld,
                             real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
     # acc[:, j0:j1] += dy[0:rows, :]^T @ patches[0:rows, j0:j1]; one thread.
-    # A = dy^T is read through its strides (macro_kernel copies its panels),
+    # A = dy^T is read through its strides (macro_kernel copies its panels k-major),
     # B = the patch columns, packed here KC rows at a time.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = S_KC if real is float else D_KC
@@ -632,7 +633,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
         kc = min(KC, rows - pc)
         pack_b_rows(kc, ncols, patches + pc * ld + j0, ld, bpack)
         macro_kernel(OC, ncols, kc, 0, n_panels, dy + pc * rsdy, 1, rsdy, bpack,
-                     acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE)
+                     acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, min(KC, rows - pc - kc))
 
 
 cdef inline bint patches_are_image(const ConvGeom* g, ImageStrides xs) noexcept nogil:

@@ -54,10 +54,15 @@ cdef extern from "micro_kernel.h":
                         float* dst) noexcept nogil
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
-    void fc_copy_at_panel_f32(Py_ssize_t mr, Py_ssize_t kc, const float* a, Py_ssize_t csa,
-                              float* dst, Py_ssize_t ld) noexcept nogil
-    void fc_copy_at_panel_f64(Py_ssize_t mr, Py_ssize_t kc, const double* a, Py_ssize_t csa,
-                              double* dst, Py_ssize_t ld) noexcept nogil
+    void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, const float* b, float* out,
+                              Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
+    void fc_kmajor_kernel_f64(int mr, Py_ssize_t kc, const double* a, const double* b,
+                              double* out, Py_ssize_t rso, int flags, const double* bias,
+                              int act) noexcept nogil
+    void fc_copy_at_kmajor_f32(Py_ssize_t mr, Py_ssize_t kc, const float* a, Py_ssize_t csa,
+                               float* dst) noexcept nogil
+    void fc_copy_at_kmajor_f64(Py_ssize_t mr, Py_ssize_t kc, const double* a, Py_ssize_t csa,
+                               double* dst) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
     void fc_prefetch_rows(const void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
                           Py_ssize_t row_bytes) noexcept nogil
@@ -377,12 +382,6 @@ cdef void copy_a_panel(Py_ssize_t mr, Py_ssize_t kc, const real* a,
         for i in range(mr):
             for p in range(kc):
                 dst[i * ld + p] = a[i * rsa + p]
-    elif rsa == 1:
-        # A.T views: transposed in registers, squares at a time.
-        if real is float:
-            fc_copy_at_panel_f32(mr, kc, a, csa, dst, ld)
-        else:
-            fc_copy_at_panel_f64(mr, kc, a, csa, dst, ld)
     else:
         for p in range(kc):
             for i in range(mr):
@@ -394,10 +393,10 @@ cdef inline void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                               const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                               const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                               real alpha, real beta, bint first, const real* bias,
-                              int act) noexcept nogil:
+                              int act, Py_ssize_t next_kc) noexcept nogil:
     # B's NR panels packed kc deep, one after another.
     macro_kernel_ld(mc, nc, kc, kc, jp0, jp1, a, rsa, csa, bpack, c, rsc, csc, alpha, beta,
-                    first, bias, act, False)
+                    first, bias, act, False, next_kc)
 
 
 cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_t ldb,
@@ -405,7 +404,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                           const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                           real alpha, real beta, bint first, const real* bias,
-                          int act, bint stream) noexcept nogil:
+                          int act, bint stream, Py_ssize_t next_kc) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A is not packed into k-major panels (see
     # micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
@@ -413,17 +412,24 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # layouts defeat that and get a plain row-major copy of the slice first
     # (under 1 % of the work): rows a multiple of 2 KiB apart, which all fall
     # in a few L1 sets (8-way on the CPUs we target; measured 12 % slower at
-    # N = 1024 and 2048), and non-unit k stride (A.T views).  acc and the
-    # copy live on this thread's stack.
+    # N = 1024 and 2048), and non-unit strides both ways.  A.T views (unit
+    # row stride: a weight gradient's dy^T) are copied as they lie, k-major,
+    # for fc_kmajor_kernel.  acc and the copy live on this thread's stack.
     #
     # While a slice is multiplied, the next slice of A and the next C tiles
     # are prefetched into L2 (see fc_prefetch_rows), the C tiles only when C
-    # is not streamed (see can_stream and write_tile).
+    # is not streamed (see can_stream and write_tile).  An A.T view's tiles
+    # read mr values from each of kc rows: a walk across rows that the
+    # hardware prefetcher follows poorly (the copies stalled on memory for a
+    # quarter of a 1x1 weight gradient), so each tile prefetches its share
+    # of the next K block's rows (next_kc of them; 0: none), whole.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
     cdef real panel[MAX_PANEL]
-    cdef bint copy_a = csa != 1 or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0
+    cdef bint kmajor_a = csa != 1 and rsa == 1
+    cdef bint copy_a = not kmajor_a and (csa != 1
+                                         or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef const real* ap
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
@@ -441,7 +447,18 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         mr = share_start(ip + 1, mc, n_tiles) - ir
         next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
-        if copy_a:
+        if kmajor_a and next_kc > 0:
+            fc_prefetch_rows(a + (kc + share_start(ip, next_kc, n_tiles)) * csa,
+                             share_start(ip + 1, next_kc, n_tiles)
+                             - share_start(ip, next_kc, n_tiles),
+                             csa * sizeof(real), mc * sizeof(real))
+        if kmajor_a:
+            if real is float:
+                fc_copy_at_kmajor_f32(mr, kc, ap, csa, panel)
+            else:
+                fc_copy_at_kmajor_f64(mr, kc, ap, csa, panel)
+            ap = panel
+        elif copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
         elif next_rows > 0:
@@ -461,11 +478,19 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             else:
                 out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
             if real is float:
-                fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                    out_bias, out_act)
+                if kmajor_a:
+                    fc_kmajor_kernel_f32(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
+                                         out_bias, out_act)
+                else:
+                    fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                        out_bias, out_act)
             else:
-                fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                    out_bias, out_act)
+                if kmajor_a:
+                    fc_kmajor_kernel_f64(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
+                                         out_bias, out_act)
+                else:
+                    fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
+                                        out_bias, out_act)
             if out == acc:
                 write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
                            NULL if bias == NULL else bias + jr, act, stream)
@@ -629,7 +654,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                         bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
                                         c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
                                         pblk == 0, NULL if bias == NULL else bias + jc,
-                                        act if pblk == n_kb - 1 else ACT_NONE, stream)
+                                        act if pblk == n_kb - 1 else ACT_NONE, stream,
+                                        0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk))
         aligned_free(bbuf)
         return 0
 
@@ -655,7 +681,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                  a + ic * rsa + pc * csa, rsa, csa, bbuf,
                                  c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
                                  NULL if bias == NULL else bias + jc,
-                                 act if pblk == n_kb - 1 else ACT_NONE)
+                                 act if pblk == n_kb - 1 else ACT_NONE,
+                                 0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk))
     aligned_free(bbuf)
     return 0
 

@@ -32,14 +32,17 @@
 #define FC_UNROLL FC_PRAGMA(GCC unroll 64)
 #endif
 
-/* out = A (R x K) @ B_panel (K x NR), finished in registers.  A is never
- * packed: its rows are read in place, nruns runs of kc contiguous values
- * each.
+/* out = A (R x K) @ B_panel (K x NR), finished in registers.  A's rows are
+ * read in place, nruns runs of kc contiguous values each, but for A.T
+ * views, which are copied (the second kind below).
  *
  * - A plain GEMM (fc_micro_kernel) has one run: row-major A, rows rsa
  *   apart.  Packing a row-major A into k-major panels would be a transpose
  *   that cost 6-20 % on conv-shaped products, while these in-place reads
  *   run as fast.
+ * - An A.T view (fc_kmajor_kernel: a weight gradient's dy^T, whose R
+ *   values of each k are contiguous) is copied as it lies into a k-major
+ *   panel, R values a k, as BLIS packs A; R is the panel's row count.
  * - An implicit-GEMM convolution (fc_indirect_kernel) has one run per
  *   kernel tap or kernel row, and a table of row pointers: run t of row i
  *   starts at rows[t*R + i].  Each of the R output pixels points into the
@@ -69,7 +72,7 @@
  * (see the loop). */
 enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
-#define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW)                          \
+#define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP)                   \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
@@ -98,7 +101,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                     FC_UNROLL for (int j = 0; j < NV; j++)                      \
                         c[i][j] += ai * bv[j];                                  \
                 }                                                               \
-                a += sizeof(T);                                                 \
+                a += (KSTEP);                                                   \
                 b += (NR);                                                      \
             }                                                                   \
         }                                                                       \
@@ -132,22 +135,33 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 #define FC_PLAIN_ROW(t, i) (a0 + (i) * rsa)
 #define FC_TABLE_ROW(t, i) (rows[(t) * ROWS + (i)])
+/* A k-major panel (fc_kmajor_kernel): value (i, p) at a0[p*R + i]. */
+#define FC_KMAJOR_ROW(t, i) (a0 + (i))
 
 #define FC_DEFINE_ROWS_KERNELS(SUFFIX, T, R, NR)                                 \
     static inline void fc_micro_kernel_##SUFFIX##_##R(                          \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, const T *restrict b, \
         T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
         int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW)                           \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW, sizeof(T))                \
     static inline void fc_indirect_kernel_##SUFFIX##_##R(                       \
         ptrdiff_t nruns, const T *const *restrict rows, ptrdiff_t kc,           \
         const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
         const T *restrict bias, int act)                                        \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW)
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T))            \
+    static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
+        ptrdiff_t kc, const T *restrict a0, const T *restrict b,                \
+        T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
+        int act)                                                                \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, (R) * sizeof(T))
 
 #define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
     case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, b, out, rso, flags,     \
                                            bias, act); break;
+
+#define FC_KMAJOR_CASE(SUFFIX, T, R, NR)                                         \
+    case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, b, out, rso, flags, bias,   \
+                                            act); break;
 
 #define FC_INDIRECT_CASE(SUFFIX, T, R, NR)                                       \
     case R: fc_indirect_kernel_##SUFFIX##_##R(nruns, rows, kc, b, out, rso,     \
@@ -176,6 +190,12 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_INDIRECT_CASE, SUFFIX, T, NR) }            \
+    }                                                                           \
+    static inline void fc_kmajor_kernel_##SUFFIX(                               \
+        int mr, ptrdiff_t kc, const T *a0, const T *b, T *out, ptrdiff_t rso,   \
+        int flags, const T *bias, int act)                                      \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_KMAJOR_CASE, SUFFIX, T, NR) }              \
     }
 
 /* sum_k a[k] * x[k] over n contiguous values: four vector accumulators
@@ -216,15 +236,9 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
  * it has (AVX: unpck/shuf/vperm2f128; SSE2 and NEON: pairs of halves). */
 typedef float fc_v8sf __attribute__((vector_size(32)));
 typedef double fc_v4df __attribute__((vector_size(32)));
-/* Half squares (4x4 floats, 2x2 doubles: 16 bytes a row), for the columns
- * of a panel copy that a whole square would overrun. */
-typedef float fc_v4sf __attribute__((vector_size(16)));
-typedef double fc_v2df __attribute__((vector_size(16)));
 /* GCC takes the lane indices as a vector of the integer type IT. */
 typedef int fc_v8si __attribute__((vector_size(32)));
 typedef long long fc_v4di __attribute__((vector_size(32)));
-typedef int fc_v4si __attribute__((vector_size(16)));
-typedef long long fc_v2di __attribute__((vector_size(16)));
 #if defined(__clang__)
 #define FC_SHUFFLE(IT, a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
 #else
@@ -232,8 +246,6 @@ typedef long long fc_v2di __attribute__((vector_size(16)));
 #endif
 #define FC_SHUF8(a, b, ...) FC_SHUFFLE(fc_v8si, a, b, __VA_ARGS__)
 #define FC_SHUF4(a, b, ...) FC_SHUFFLE(fc_v4di, a, b, __VA_ARGS__)
-#define FC_SHUF4F(a, b, ...) FC_SHUFFLE(fc_v4si, a, b, __VA_ARGS__)
-#define FC_SHUF2D(a, b, ...) FC_SHUFFLE(fc_v2di, a, b, __VA_ARGS__)
 
 static inline void fc_transpose_sq_f32(const float *src, ptrdiff_t lds,
                                        float *dst, ptrdiff_t ldd)
@@ -275,59 +287,33 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
     }
 }
 
-static inline void fc_transpose_hsq_f32(const float *src, ptrdiff_t lds,
-                                        float *dst, ptrdiff_t ldd)
-{
-    fc_v4sf r[4], t[4], o;
-    for (int i = 0; i < 4; i++) memcpy(&r[i], src + i * lds, 16);
-    t[0] = FC_SHUF4F(r[0], r[1], 0, 4, 1, 5);
-    t[1] = FC_SHUF4F(r[0], r[1], 2, 6, 3, 7);
-    t[2] = FC_SHUF4F(r[2], r[3], 0, 4, 1, 5);
-    t[3] = FC_SHUF4F(r[2], r[3], 2, 6, 3, 7);
-    o = FC_SHUF4F(t[0], t[2], 0, 1, 4, 5); memcpy(dst, &o, 16);
-    o = FC_SHUF4F(t[0], t[2], 2, 3, 6, 7); memcpy(dst + ldd, &o, 16);
-    o = FC_SHUF4F(t[1], t[3], 0, 1, 4, 5); memcpy(dst + 2 * ldd, &o, 16);
-    o = FC_SHUF4F(t[1], t[3], 2, 3, 6, 7); memcpy(dst + 3 * ldd, &o, 16);
-}
-
-static inline void fc_transpose_hsq_f64(const double *src, ptrdiff_t lds,
-                                        double *dst, ptrdiff_t ldd)
-{
-    fc_v2df r0, r1, o;
-    memcpy(&r0, src, 16);
-    memcpy(&r1, src + lds, 16);
-    o = FC_SHUF2D(r0, r1, 0, 2); memcpy(dst, &o, 16);
-    o = FC_SHUF2D(r0, r1, 1, 3); memcpy(dst + ldd, &o, 16);
-}
-
-/* dst[i*ld + p] = a[p*csa + i] for i < mr, p < kc: an MR x kc slice of a
- * transposed view (A.T, the output gradient in a weight gradient) copied
- * row-major for the micro-kernel.  Read one scalar at a time, the copy of
- * a 1x1 layer's dy^T (64->256 @56 batch 8: 6.4 M values) took about a
- * third of its weight gradient; whole and half squares in registers move
- * all of an MR = 12, 6 or 14 slice but for 2 columns of 14. */
-#define FC_DEFINE_COPY_AT_PANEL(SUFFIX, T)                                      \
-    static inline void fc_copy_at_panel_##SUFFIX(ptrdiff_t mr, ptrdiff_t kc,   \
-                                                 const T *a, ptrdiff_t csa,     \
-                                                 T *restrict dst, ptrdiff_t ld) \
+/* dst[p*mr + i] = a[p*csa + i] for i < mr, p < kc: an mr x kc slice of a
+ * transposed view (A.T: the output gradient in a weight gradient), whose
+ * mr values of each k are contiguous, copied as the k-major panel
+ * fc_kmajor_kernel reads.  Transposing the slice row-major for the plain
+ * kernel instead (8x8 squares in registers) took a third of a 1x1 layer's
+ * weight gradient (dy^T @ x, 64->256 @56 batch 8, 1 thread, perf); this
+ * is a copy of mr values a k, one function per mr so that each copy has a
+ * constant size and compiles to vector moves (a loop over pieces became a
+ * call to memmove per k, slower than the transpose). */
+#define FC_COPY_AT_KMAJOR_ROWS(SUFFIX, T, R, NR)                                 \
+    static inline void fc_copy_at_kmajor_##SUFFIX##_##R(                        \
+        ptrdiff_t kc, const T *a, ptrdiff_t csa, T *restrict dst)               \
     {                                                                           \
-        enum { SQ = 32 / sizeof(T), HSQ = SQ / 2 };                             \
-        ptrdiff_t p = 0, i;                                                     \
-        for (; p + SQ <= kc; p += SQ) {                                         \
-            const T *src = a + p * csa;                                         \
-            for (i = 0; i + SQ <= mr; i += SQ)                                  \
-                fc_transpose_sq_##SUFFIX(src + i, csa, dst + i * ld + p, ld);   \
-            for (; i + HSQ <= mr; i += HSQ)                                     \
-                for (int q = 0; q < SQ; q += HSQ)                               \
-                    fc_transpose_hsq_##SUFFIX(src + q * csa + i, csa,           \
-                                              dst + i * ld + p + q, ld);        \
-            for (; i < mr; i++)                                                 \
-                for (int q = 0; q < SQ; q++)                                    \
-                    dst[i * ld + p + q] = src[q * csa + i];                     \
-        }                                                                       \
-        for (; p < kc; p++)                                                     \
-            for (i = 0; i < mr; i++)                                            \
-                dst[i * ld + p] = a[p * csa + i];                               \
+        for (ptrdiff_t p = 0; p < kc; p++)                                      \
+            memcpy(dst + p * (R), a + p * csa, (R) * sizeof(T));                \
+    }
+
+#define FC_COPY_AT_KMAJOR_CASE(SUFFIX, T, R, NR)                                 \
+    case R: fc_copy_at_kmajor_##SUFFIX##_##R(kc, a, csa, dst); break;
+
+#define FC_DEFINE_COPY_AT_KMAJOR(SUFFIX, T)                                     \
+    FC_FOR_ROWS(FC_COPY_AT_KMAJOR_ROWS, SUFFIX, T, 0)                           \
+    static inline void fc_copy_at_kmajor_##SUFFIX(ptrdiff_t mr, ptrdiff_t kc,  \
+                                                  const T *a, ptrdiff_t csa,    \
+                                                  T *restrict dst)              \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_COPY_AT_KMAJOR_CASE, SUFFIX, T, 0) }       \
     }
 
 /* Pack NR columns of B = W^T, where W's rows (B's columns) are contiguous:
@@ -512,8 +498,8 @@ FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
 FC_DEFINE_TRANSPOSE_BLOCK(f32, float)
 FC_DEFINE_TRANSPOSE_BLOCK(f64, double)
-FC_DEFINE_COPY_AT_PANEL(f32, float)
-FC_DEFINE_COPY_AT_PANEL(f64, double)
+FC_DEFINE_COPY_AT_KMAJOR(f32, float)
+FC_DEFINE_COPY_AT_KMAJOR(f64, double)
 FC_DEFINE_DOT(f64, double)
 FC_DEFINE_STREAM_ROW(f32, float, int)
 FC_DEFINE_STREAM_ROW(f64, double, long long)
