@@ -406,8 +406,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           real alpha, real beta, bint first, const real* bias,
                           int act, bint stream, Py_ssize_t next_kc) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
-    # of the packed B block.  A is not packed into k-major panels (see
-    # micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
+    # of the packed B block.  A row-major A is not packed into k-major panels
+    # (see micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
     # packed panel (the MR x kc slice stays in L1 across the jr loop).  Two
     # layouts defeat that and get a plain row-major copy of the slice first
     # (under 1 % of the work): rows a multiple of 2 KiB apart, which all fall
