@@ -306,7 +306,8 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          real* c, Py_ssize_t rsc, real beta,
                          const real* bias) noexcept nogil:
     # c[rows, share js of n_js of the columns] = a @ B (+ beta*c, + bias),
-    # one thread, B prepacked by pack_b_blocks.
+    # one thread, B prepacked by pack_b_blocks; a row-major (unit column
+    # stride), so macro_kernel has no A.T rows to prefetch (next_kc 0).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t jb, kb, jc, nc, n_panels
@@ -320,8 +321,7 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          a + blocks[kb].k0 * csa, rsa, csa,
                          bpack + (jb * n_kb + kb) * kc_max * nc_blk,
                          c + jc, rsc, 1, 1, beta, kb == 0,
-                         NULL if bias == NULL else bias + jc, ACT_NONE,
-                         blocks[kb + 1].kc if kb + 1 < n_kb else 0)
+                         NULL if bias == NULL else bias + jc, ACT_NONE, 0)
 
 
 cdef struct PixelRow:
