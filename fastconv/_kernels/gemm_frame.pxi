@@ -418,7 +418,10 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     #
     # While a slice is multiplied, the next slice of A and the next C tiles
     # are prefetched into L2 (see fc_prefetch_rows), the C tiles only when C
-    # is not streamed (see can_stream and write_tile).  An A.T view's tiles
+    # is not streamed (see can_stream and write_tile), a share of their rows
+    # before each panel: issued all at once, ~400 lines a slice at 2048^3,
+    # the prefetches filled the miss queue and stalled (perf: 11 % of the
+    # samples on them and on the next copy).  An A.T view's tiles
     # read mr values from each of kc rows: a walk across rows that the
     # hardware prefetcher follows poorly (the copies stalled on memory for a
     # quarter of a 1x1 weight gradient), so each tile prefetches its share
@@ -432,7 +435,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                                          or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef const real* ap
     cdef real* ct
-    cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, ars = kc + A_PANEL_PAD if copy_a else rsa
+    cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, pr0, pr1, ars = kc + A_PANEL_PAD if copy_a else rsa
     cdef Py_ssize_t rso
     cdef real* out
     # write_tile adds the bias with the first K block only.
@@ -461,14 +464,18 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         elif copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
-        elif next_rows > 0:
-            fc_prefetch_rows(a + (ir + mr) * rsa, next_rows, rsa * sizeof(real),
-                             kc * sizeof(real))
-        if next_rows > 0 and csc == 1 and not stream:
-            fc_prefetchw_rows(c + (ir + mr) * rsc + jp0 * NR, next_rows, rsc * sizeof(real),
-                              (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
         for jp in range(jp0, jp1):
             jr = jp * NR
+            if next_rows > 0:
+                # This panel's share of the next slice's rows.
+                pr0 = ir + mr + share_start(jp - jp0, next_rows, jp1 - jp0)
+                pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
+                if not kmajor_a and csa == 1:
+                    fc_prefetch_rows(a + pr0 * rsa, pr1 - pr0, rsa * sizeof(real),
+                                     kc * sizeof(real))
+                if csc == 1 and not stream:
+                    fc_prefetchw_rows(c + pr0 * rsc + jp0 * NR, pr1 - pr0, rsc * sizeof(real),
+                                      (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
             ct = c + ir * rsc + jr * csc
             # Finished by the kernel into C, or into acc for write_tile.
             flags = tile_out_flags(min(NR, nc - jr), NR, ct, csc, alpha, beta, first, stream)
