@@ -11,11 +11,27 @@ from ._threads import get_num_threads
 __all__ = ["sgemm", "dgemm", "matmul"]
 
 
+# From this size on, glibc maps every allocation afresh (its adaptive mmap
+# threshold stops at 32 MiB), so each np.empty of an output page-faults it
+# in and the kernel zeroes it: a third of a VGG16 conv1_1 at batch 8 (102 MB
+# output, perf) where ONNX Runtime's arena reuses its memory.  Arrays this
+# large borrow a block of the kernels' workspace cache instead, which takes
+# it back when the array is gone (fastconv.release_workspace() frees it).
+WORKSPACE_ARRAY_BYTES = 32 << 20
+
+
 def empty_aligned(shape, dtype):
     """np.empty whose data starts on a 64-byte boundary (numpy only promises
     16): the kernels' full-vector and streaming stores need aligned rows."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= WORKSPACE_ARRAY_BYTES:
+        try:
+            block = _dispatch.kernels.WorkspaceBlock(nbytes)
+        except MemoryError:
+            pass      # numpy's attempt below raises with its message (the size)
+        else:
+            return np.frombuffer(block, np.uint8).view(dtype).reshape(shape)
     buf = np.empty(nbytes + 64, np.uint8)
     start = -buf.ctypes.data % 64
     return buf[start:start + nbytes].view(dtype).reshape(shape)

@@ -944,3 +944,42 @@ def test_workspace_cache_is_bounded_reused_and_released():
     assert fastconv._config.config()["cached_workspace_bytes"] == 0
     np.testing.assert_array_equal(fastconv.conv2d(x, w, padding=1, algorithm="winograd"),
                                   first[0])
+
+
+def _memory_owner(a):
+    """The object at the root of a's chain of bases (a buffer's exporter)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+
+def test_large_outputs_borrow_workspace_blocks():
+    """Outputs of at least 32 MiB (past glibc's largest mmap threshold, so
+    np.empty would fault them in afresh every call) come from the workspace
+    cache: correct, writable, 64-byte aligned, and back in the cache once
+    the array and every view of it are gone."""
+    kernels = fastconv._dispatch.kernels
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((1, 512, 520, 3)).astype(np.float32)
+    w = rng.standard_normal((32, 1, 1, 3)).astype(np.float32)
+    fastconv.release_workspace()
+    y = fastconv.conv2d(x, w)
+    assert y.nbytes >= fastconv.gemm.WORKSPACE_ARRAY_BYTES
+    assert y.flags.writeable and y.ctypes.data % 64 == 0
+    assert type(_memory_owner(y)).__name__ == "WorkspaceBlock"
+    np.testing.assert_allclose(y, np.einsum("nhwc,oc->nhwo", x, w[:, 0, 0]), rtol=1e-5,
+                               atol=1e-5)
+    view = y[0, 100:]
+    held = kernels.cached_workspace_bytes()
+    del y
+    assert kernels.cached_workspace_bytes() == held      # the view keeps the block
+    view[:] = 1.0
+    del view
+    assert kernels.cached_workspace_bytes() >= held + 512 * 520 * 32 * 4
+    again = fastconv.conv2d(x, w)                        # served from the cache
+    np.testing.assert_allclose(again, np.einsum("nhwc,oc->nhwo", x, w[:, 0, 0]), rtol=1e-5,
+                               atol=1e-5)
+    small = fastconv.conv2d(x[:, :8], w)                 # below the threshold: numpy's
+    assert isinstance(_memory_owner(small), np.ndarray)
+    fastconv.release_workspace()
+    assert kernels.cached_workspace_bytes() == 0

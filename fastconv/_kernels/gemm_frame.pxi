@@ -169,6 +169,42 @@ def cached_workspace_bytes():
     return fc_ws_cached_bytes()
 
 
+cdef class WorkspaceBlock:
+    # A block of the workspace cache lent to a numpy array (as the base
+    # of np.frombuffer): it goes back to the cache when the array is gone,
+    # so the next large output of a loop of calls is served without
+    # faulting its pages in again (see fastconv.gemm.empty_aligned).
+    cdef void* ptr
+    cdef Py_ssize_t nbytes
+
+    def __cinit__(self, Py_ssize_t nbytes):
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive (got {nbytes})")
+        self.ptr = aligned_malloc(nbytes)
+        if self.ptr == NULL:
+            raise MemoryError(f"cannot allocate {nbytes} bytes")
+        self.nbytes = nbytes
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        view.buf = self.ptr
+        view.obj = self
+        view.len = self.nbytes
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = "B"
+        view.ndim = 1
+        view.shape = &self.nbytes
+        view.strides = &view.itemsize
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+    def __dealloc__(self):
+        aligned_free(self.ptr)
+
+
 cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return (a + b - 1) // b
 
