@@ -983,3 +983,35 @@ def test_large_outputs_borrow_workspace_blocks():
     assert isinstance(_memory_owner(small), np.ndarray)
     fastconv.release_workspace()
     assert kernels.cached_workspace_bytes() == 0
+
+
+def test_large_outputs_of_concurrent_calls_never_share_a_block():
+    """Python threads making and dropping >= 32 MiB outputs at once each get
+    a block of their own from the cache: every result stays exact while
+    the others' blocks come and go."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((1, 512, 520, 3)).astype(np.float32)
+    weights = [rng.standard_normal((32, 1, 1, 3)).astype(np.float32) for _ in range(3)]
+    expected = [fastconv.conv2d(x, w) for w in weights]
+    errors = []
+
+    def worker(i):
+        try:
+            for r in range(4):
+                y = fastconv.conv2d(x, weights[(i + r) % 3])
+                kept = y.copy()
+                time.sleep(0.01)                  # let the others reuse freed blocks
+                if not np.array_equal(y, kept) or not np.array_equal(y, expected[(i + r) % 3]):
+                    errors.append((i, r))
+                del y
+        except Exception as e:                    # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    fastconv.release_workspace()
