@@ -506,7 +506,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 # This panel's share of the next slice's rows.
                 pr0 = ir + mr + share_start(jp - jp0, next_rows, jp1 - jp0)
                 pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
-                if not kmajor_a and csa == 1:
+                if csa == 1:            # row-major A, read in place or copied
                     fc_prefetch_rows(a + pr0 * rsa, pr1 - pr0, rsa * sizeof(real),
                                      kc * sizeof(real))
                 if csc == 1 and not stream:

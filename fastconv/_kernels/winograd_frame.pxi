@@ -188,7 +188,7 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # Otherwise each task first transposes its NR output channels x k-block
     # of w into a tile of its own, (tap, c, oc) with rows NR apart, which
     # stays in L2: transposing the whole weight to memory first wrote and
-    # read back 9.4 MB per call at 512->512 (perf: 14 % of a per-call
+    # read back 9.4 MB per call at 512->512 (perf: 11-14 % of a per-call
     # 512->512 @7 batch-8 layer in that transpose).
     cdef Py_ssize_t tile_size = 9 * kc_max * NR
     cdef real* tiles = NULL
@@ -206,8 +206,9 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # matrix are written in order, 36 sequential streams.  Walking c
     # outermost instead scattered every store over 36 x (OC/NR) panels,
     # each a write-allocate miss (half of a per-call 256x256 layer).
-    cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off, fts
+    cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off, fsc, fts
     cdef const real* fsrc
+    cdef const real* fsrc0
     # Streaming stores need vector-aligned addresses: those of the vector
     # steps are when dst is (panel rows are NR values, oc % NR is a multiple
     # of VL, points point_size apart); a workspace block always is, a NumPy
@@ -223,10 +224,12 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
         oc_end = min(OC, oc0 + NR)
         kc0 = blocks[kb].k0
         kcb = blocks[kb].kc
-        wloc = NULL
+        # Filter (c, oc) at fsrc0 + (c - kc0)*fsc + oc - oc0, taps fts apart.
+        fsrc0, fsc, fts = src + kc0 * src_c + oc0, src_c, src_t
         if not flipped:
             # wloc[(t*kcb + c - kc0)*NR + oc - oc0] = w[oc, t*C + c]
             wloc = tiles + threadid() * tile_size
+            fsrc0, fsc, fts = wloc, NR, kcb * NR
             for t in range(9):
                 for ib in range(cdiv(oc_end - oc0, TB)):
                     i0 = ib * TB
@@ -249,12 +252,7 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
                 off = ((jb * lay.n_kb + kb) * kc_max * lay.nc_blk
                        + (oc - jb * lay.nc_blk) // NR * NR * kcb
                        + (c - kc0) * NR + oc % NR)
-                if flipped:
-                    fsrc = src + c * src_c + oc
-                    fts = src_t
-                else:
-                    fsrc = wloc + (c - kc0) * NR + oc - oc0
-                    fts = kcb * NR
+                fsrc = fsrc0 + (c - kc0) * fsc + oc - oc0
                 if oc + VL <= oc_end:
                     wino_filter(tile, True, stream, fsrc, fts, dst + off, lay.point_size)
                     oc = oc + VL
