@@ -208,16 +208,26 @@ def _winograd_tiles(N, geo):
     return N * DH * -(-(-(-OH // DH)) // 4) * DW * -(-(-(-OW // DW)) // 4)
 
 
-def _winograd_tile(N, geo):
-    """4 for F(4x4, 3x3); 2, F(2x2, 3x3), for layers of at most four of
-    its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where the 36 x C x OC
-    transformed filters are most of the traffic and F(2x2)'s 16 x C x OC
-    pay for its 1.8x the multiplications.  Measured, 2 threads, prepacked
-    512->512: @7 batch 1 302 vs 273 GFLOPS median (best 348 vs 355), and
-    in ResNet-18 at batch 1 (its three such layers), 13.8-16.0 vs
-    14.4-15.9 ms median over three interleaved runs; at batch 2 (8 tiles)
-    F(4x4) was faster (315 vs 278), and at 16 tiles far faster."""
-    return 2 if _winograd_tiles(N, geo) <= 4 else 4
+def _winograd_tile(N, geo, prepacked=False):
+    """4 for F(4x4, 3x3); 2, F(2x2, 3x3), for prepacked filters and layers
+    of at most four of its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where
+    streaming the 36 x C x OC transformed filters is most of the work and
+    F(2x2)'s 16 x C x OC pay for its 1.8x the multiplications.  Measured, 2
+    threads, prepacked 512->512: @7 batch 1 302 vs 273 GFLOPS median (best
+    348 vs 355), and in ResNet-18 at batch 1 (its three such layers),
+    13.8-16.0 vs 14.4-15.9 ms median over three interleaved runs; at batch 2
+    (8 tiles) F(4x4) was faster (315 vs 278), and at 16 tiles far faster.
+    Filters transformed per call never leave the cache there (the kernels'
+    fused path), and F(4x4) won: 512->512 @7 b1 252/233 vs 215/203 GFLOPS
+    best/median."""
+    return 2 if prepacked and _winograd_tiles(N, geo) <= 4 else 4
+
+
+#: Layers of at most this many 4x4 tiles, with per-call filters, take the
+#: kernels' fused path (winograd_frame.pxi, wino_fused_max_tiles): each
+#: thread transforms a panel of filters at a time and multiplies every tile
+#: by it from L2.
+_FUSED_MAX_TILES = 64
 
 
 def _winograd_pays(N, geo, Cg, OCg, prepacked):
@@ -227,14 +237,23 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     3x3 layer, down to one 7x7 image.  Two things cost it: thin channels
     (below 16 in or out the 36 GEMMs are too shallow or too narrow for the
     micro-kernel and the transforms dominate: 0.5-0.8x at 8), and, unless
-    prepacked, the filter transform, 36 x C x OC values written per call,
-    which enough 4x4 output tiles must pay back: it lost at 4 tiles
-    (0.8-0.9x), won from 16 (1.1-1.5x) up to 256x256 channels, and from 32
-    at 512x512 (0.84x at 16, 1.1x at 32)."""
+    prepacked, the filter transform, 36 x C x OC values per call, which
+    enough tiles must pay back.  Written to memory and read back, it lost at
+    4 tiles (0.8-0.9x), won from 16 (1.1-1.5x) up to 256x256 channels, and
+    from 32 at 512x512 (0.84x at 16, 1.1x at 32).  Transformed a panel at a
+    time next to its GEMMs (up to _FUSED_MAX_TILES tiles), it won from 4
+    tiles with 256x256 channels and more: GFLOPS best/median vs implicit,
+    512->512 @7 b1 252/233 vs 184/173, 256->256 @7 b1 237/224 vs 181/165,
+    512->512 @14 b1 439/381 vs 196/173; with 128x128 @7 b1 they tied
+    (127-129 vs 136-137)."""
     if Cg < 16 or OCg < 16:
         return False
     tiles = _winograd_tiles(N, geo)
-    return prepacked or tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
+    if prepacked:
+        return True
+    if 4 <= tiles <= _FUSED_MAX_TILES and Cg * OCg >= 256 * 256:
+        return True
+    return tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
 
 
 def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
@@ -345,7 +364,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             kernels.im2col(x[..., c], cols, *geo, nt)
             kernels.gemm(1.0, cols, w2d[oc].T, beta, y_rows[:, oc], nt, b, act)
         elif algorithm == "winograd":
-            tile = _winograd_tile(x.shape[0], geo)
+            tile = _winograd_tile(x.shape[0], geo, packed is not None)
             filters = None if packed is None else packed(kernels, g, algorithm, tile)
             kernels.conv2d_winograd(x[..., c], w2d[oc], b, y_rows[:, oc], geo.pad_before,
                                     geo.out_hw, nt, act, filters, dilation=geo.dilation,

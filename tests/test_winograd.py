@@ -19,6 +19,11 @@ from reference import explicit_pads
 #: direct method's (both against float64).
 ERROR_RATIO = 10.0
 
+#: set_winograd_fused arguments: every layer with per-call filters on the
+#: fused path (filters transformed a panel at a time), or none.
+ALWAYS_FUSED = (1 << 40, 0)
+NEVER_FUSED = (0, 0)
+
 
 def reference(x, w, b, pads, groups=1, activation=None, dilation=(1, 1)):
     """float64 torch conv of NHWC x, OHWI w, explicit ((t, b), (l, r)) pads."""
@@ -82,31 +87,41 @@ CASES = [
 def tile(request, monkeypatch):
     """The Winograd variant every conv2d of the test runs (auto takes
     F(2x2) only for few tiles)."""
-    monkeypatch.setattr(fastconv.conv, "_winograd_tile", lambda N, geo: request.param)
+    monkeypatch.setattr(fastconv.conv, "_winograd_tile",
+                        lambda N, geo, prepacked=False: request.param)
     return request.param
 
 
-@pytest.fixture(params=["default-chunks", "tiny-chunks"])
+@pytest.fixture(params=["fused", "default-chunks", "tiny-chunks"])
 def chunking(request):
-    """tiny-chunks: one micro-panel of tiles per chunk, so that small images
-    cross chunk boundaries."""
+    """fused: the filters transformed a panel at a time (what layers with
+    few tiles run when their filters are not prepacked); the chunked path
+    otherwise, and with tiny-chunks one micro-panel of tiles per chunk, so
+    that small images cross chunk boundaries."""
+    kernels = fastconv._dispatch.kernels
+    previous_fused = kernels.set_winograd_fused(*(ALWAYS_FUSED if request.param == "fused"
+                                                  else NEVER_FUSED))
+    request.addfinalizer(lambda: kernels.set_winograd_fused(*previous_fused))
     if request.param == "tiny-chunks":
-        kernels = fastconv._dispatch.kernels
         previous = kernels.set_winograd_chunk_bytes(1)
         request.addfinalizer(lambda: kernels.set_winograd_chunk_bytes(previous))
     return request.param
 
 
 def check_whole_and_one_tile_chunks(isa, x, w, b, padding, groups, dilation=(1, 1)):
-    """check_against_direct under ISA build `isa`, with the default chunk
-    budget and with one tile per chunk (every chunk boundary exercised)."""
+    """check_against_direct under ISA build `isa`: on the fused path (the
+    filters transformed a panel at a time, as per-call layers with few tiles
+    run), and on the chunked one with the default chunk budget and with one
+    tile per chunk (every chunk boundary exercised)."""
     with fastconv._dispatch.use_isa(isa) as kernels:
-        for budget in (None, 1):
+        for fused, budget in ((ALWAYS_FUSED, None), (NEVER_FUSED, None), (NEVER_FUSED, 1)):
+            previous_fused = kernels.set_winograd_fused(*fused)
             if budget is not None:
                 previous = kernels.set_winograd_chunk_bytes(budget)
             try:
                 check_against_direct(x, w, b, padding, groups, dilation=dilation)
             finally:
+                kernels.set_winograd_fused(*previous_fused)
                 if budget is not None:
                     kernels.set_winograd_chunk_bytes(previous)
 
@@ -189,11 +204,12 @@ def test_winograd_error_is_documented_size():
     assert rel < 1e-5
 
 
-def test_winograd_is_independent_of_the_thread_count(request, tile):
-    """Tiles and the 36 GEMMs are each computed whole by one thread, so the
-    result does not depend on how many there are, bit for bit (these small
-    filters give each thread chunks of its own from 2 threads on; one
-    thread runs the shared-chunk loop)."""
+def test_winograd_is_independent_of_the_thread_count(request, tile, chunking):
+    """Tiles and the 36 GEMMs (or, fused, the output channel panels) are
+    each computed whole by one thread, so the result does not depend on how
+    many there are, bit for bit (these small filters give each thread
+    chunks of its own from 2 threads on; one thread runs the shared-chunk
+    loop)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 29, 31, 24)).astype(np.float32)
     w = rng.standard_normal((40, 3, 3, 24)).astype(np.float32)
@@ -253,11 +269,50 @@ def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request, tile):
                 fastconv.PackedConv2d(w, padding=1, algorithm="winograd")(x))
 
     with fastconv._dispatch.use_isa(isa) as kernels:
+        # Per call, these few tiles would take the fused path, which never
+        # writes U out.
+        previous_fused = kernels.set_winograd_fused(*NEVER_FUSED)
+        request.addfinalizer(lambda: kernels.set_winograd_fused(*previous_fused))
         stored = forward_and_data_grad()
         previous = kernels.set_winograd_stream_bytes(0)
         request.addfinalizer(lambda: kernels.set_winograd_stream_bytes(previous))
         for got, expected in zip(forward_and_data_grad(), stored):
             np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C, OC", [(20, 48), (300, 37), (16, 130)])
+def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
+    """The fused path (filters transformed a panel of output channels and a
+    k-block at a time) against U packed up front, for the forward and for
+    the input gradient (the flipped weight: output and input channels
+    swap); C = 300 spans several of its k-blocks, OC = 37 and 130 end in a
+    partial panel.  Their k-blocks differ, so sums agree to rounding."""
+    rng = np.random.default_rng(C + OC)
+    x = rng.standard_normal((1, 9, 10, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    dy = rng.standard_normal((1, 9, 10, OC)).astype(dtype)
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (1, 1), (1, 1), (9, 10))
+    flipped = fastconv.conv._flipped_geometry(geo, (9, 10))
+
+    def forward_and_data_grad():
+        return (conv2d(x, w, b, padding=1, activation="relu", algorithm="winograd"),
+                fastconv.conv._winograd_data_grad(dy, w.reshape(OC, -1), 1, flipped, x.shape))
+
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        results = {}
+        for name, fused in (("fused", ALWAYS_FUSED), ("packed", NEVER_FUSED)):
+            previous = kernels.set_winograd_fused(*fused)
+            try:
+                results[name] = forward_and_data_grad()
+            finally:
+                kernels.set_winograd_fused(*previous)
+    for got, expected in zip(results["fused"], results["packed"]):
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(got, expected, rtol=0, atol=rtol * scale)
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
@@ -293,12 +348,17 @@ def test_packed_winograd_filters(isa, tile):
 @pytest.mark.parametrize("N, H, C, OC, stride, prepacked, expected", [
     (1, 56, 64, 64, 1, False, "winograd"),      # ResNet stage 1
     (8, 14, 256, 256, 1, False, "winograd"),
-    (1, 7, 512, 512, 1, False, "implicit"),     # 4 tiles cannot pay for 9.4 M filter values
-    (1, 7, 512, 512, 1, True, "winograd"),      # ...unless they are transformed once
+    (1, 7, 512, 512, 1, False, "winograd"),     # 4 tiles, filters fused per call
+    (1, 7, 512, 512, 1, True, "winograd"),
+    (1, 7, 128, 128, 1, False, "implicit"),     # 4 tiles: too few for 128x128 channels
+    (1, 7, 128, 128, 1, True, "winograd"),      # ...unless transformed once
     (1, 224, 3, 64, 1, False, "implicit"),      # 3 channels: GEMMs too shallow
     (1, 56, 8, 8, 1, True, "implicit"),         # 8 channels: even prepacked
-    (1, 14, 512, 512, 1, False, "implicit"),    # 16 tiles: not yet at 512x512
-    (2, 14, 512, 512, 1, False, "winograd"),    # 32 tiles
+    (1, 14, 512, 512, 1, False, "winograd"),    # 16 tiles, fused
+    (1, 28, 512, 512, 1, False, "winograd"),    # 64 tiles, the most fused
+    (2, 28, 512, 512, 1, False, "winograd"),    # 128: packed up front, enough tiles
+    (1, 14, 64, 64, 1, False, "winograd"),      # 16 tiles: enough for 64x64
+    (1, 7, 64, 64, 1, False, "implicit"),
     (1, 56, 64, 64, 2, False, "implicit"),      # strided: never im2col, even
     (8, 56, 64, 64, 2, False, "implicit"),      # with 1.8 MiB of patches at b1
 ])
@@ -318,9 +378,12 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     (1, 14, 2, 4),         # 4 phases of 4 tiles
 ])
 def test_winograd_variant_by_tile_count(N, H, dilation, expected):
+    """F(2x2) for prepacked filters and few tiles; filters transformed per
+    call stay in the cache (the fused path), where F(4x4) is faster."""
     geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
                                   (H, H))
-    assert fastconv.conv._winograd_tile(N, geo) == expected
+    assert fastconv.conv._winograd_tile(N, geo, prepacked=True) == expected
+    assert fastconv.conv._winograd_tile(N, geo) == 4
 
 
 @pytest.mark.parametrize("kernel, kwargs, message", [

@@ -14,8 +14,13 @@
 # packed U through the cache once per chunk costs little next to its
 # multiplications.  Splitting the GEMM phase by points means each thread
 # reads only its own share of U: at batch 1 on a 7x7 or 14x14 image, where
-# tiles are few, U is most of the traffic (hence F(2x2) there: 16 x C x OC
-# values of U instead of 36).
+# tiles are few, U is most of the traffic (hence F(2x2) there, for
+# prepacked U: 16 x C x OC values instead of 36).
+#
+# Filters transformed per call for few tiles (winograd_fused_nogil) never
+# go to memory: V of every tile first, then each thread transforms one
+# panel of output channels' filters a k-block at a time into L2, multiplies
+# every tile by it and finishes those channels of the output.
 
 cdef extern from "winograd_kernel.h":
     # F(4x4, 3x3) (fc_wino_*) and F(2x2, 3x3) (fc_wino2_*), the same contracts.
@@ -70,6 +75,11 @@ cdef enum:
     # better with shared chunks).
     WINO_OWN_CHUNK_BYTES = 512 * 1024
     WINO_OWN_MAX_U_BYTES = 4 * 1024 * 1024
+    # A task's transformed filters in winograd_fused_nogil (P x kc x NR):
+    # within an L2 with the V rows and M tiles they multiply.
+    WINO_FUSED_PANEL_BYTES = 640 * 1024
+    # How far ahead wino_transpose_filters asks for each weight row's lines.
+    WINO_TRANSPOSE_PREFETCH_LINES = 16
 
 # Bytes of V and M per chunk: a budget a test can shrink to force many chunks.
 cdef Py_ssize_t wino_chunk_bytes = 2 * 1024 * 1024
@@ -78,6 +88,31 @@ cdef Py_ssize_t wino_chunk_bytes = 2 * 1024 * 1024
 # before the GEMMs read them, so a normal store's read for ownership is
 # wasted traffic.  A variable so that tests can drive that path.
 cdef Py_ssize_t wino_stream_bytes = 16 * 1024 * 1024
+
+
+# Filters transformed per call are transformed a panel at a time next to
+# the GEMMs that use them (winograd_fused_nogil) for layers of at most
+# wino_fused_max_tiles tiles whose U has at least wino_fused_min_values
+# values.  Measured, 2 threads, GFLOPS best/median, fused vs packed up
+# front: 512->512 @7 batch 1 (4 tiles) 249/220 vs 88/79, 256->256 @14 b1
+# (16) 415/377 vs 369/160, 128->128 @28 b1 (49) 345/314 vs 249/232,
+# 512->512 @7 b8 (32) 387/367 vs 364/340; at 256->256 @14 b8 (128 tiles)
+# 451/416 vs 500/456, and with 64 channels (U of 147456 values) the two
+# were within the noise.  Variables, so that tests can drive both paths.
+cdef Py_ssize_t wino_fused_max_tiles = 64
+cdef Py_ssize_t wino_fused_min_values = 256 * 1024
+
+
+def set_winograd_fused(Py_ssize_t max_tiles, Py_ssize_t min_filter_values):
+    """Set when per-call filters take the fused path: layers of at most
+    max_tiles tiles (0: never) whose points x C x OC transformed filter
+    values number at least min_filter_values (tests only: not thread-safe);
+    returns the previous pair."""
+    global wino_fused_max_tiles, wino_fused_min_values
+    previous = (wino_fused_max_tiles, wino_fused_min_values)
+    wino_fused_max_tiles = max(0, max_tiles)
+    wino_fused_min_values = max(0, min_filter_values)
+    return previous
 
 
 def set_winograd_stream_bytes(Py_ssize_t nbytes):
@@ -164,36 +199,83 @@ cdef inline void wino_filter(int tile, bint vector, bint stream, const real* w, 
             fc_wino_filter_f64(w, ts, u, su)
 
 
+cdef void wino_transpose_filters(const real* w, Py_ssize_t rsw, Py_ssize_t C,
+                                 Py_ssize_t oc0, Py_ssize_t oc_end, Py_ssize_t kc0,
+                                 Py_ssize_t kcb, real* wloc) noexcept nogil:
+    # wloc[(t*kcb + c - kc0)*NR + oc - oc0] = w[oc, t*C + c] for the output
+    # channels oc0..oc_end (at most NR) and input channels kc0..kc0+kcb of
+    # the conv's (OC x 9*C) weight, OHWI rows rsw apart: (tap, c, oc), the
+    # layout wino_filter_block vectorises over output channels.  TB rows at
+    # a time, one line of each per block.  With every channel (kcb == C) a
+    # row is one run, read straight through, and each block asks for the
+    # lines WINO_TRANSPOSE_PREFETCH_LINES ahead: the TB row streams were
+    # more than the hardware prefetcher followed, and the transpose waited
+    # on each block's loads (perf: 27 % of 512->512 @7 batch 1 per call, 1
+    # thread, three quarters of it on the row loads; 101 -> 115 GFLOPS).
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t TB = 64 // sizeof(real)
+    cdef Py_ssize_t t, i0, j0, ib, jblk, ahead
+    for ib in range(cdiv(oc_end - oc0, TB)):
+        i0 = ib * TB
+        for t in range(9):
+            for jblk in range(cdiv(kcb, TB)):
+                j0 = jblk * TB
+                ahead = t * C + kc0 + j0 + WINO_TRANSPOSE_PREFETCH_LINES * TB
+                if kcb == C and ahead < 9 * C:
+                    fc_prefetch_rows(w + (oc0 + i0) * rsw + ahead, min(TB, oc_end - oc0 - i0),
+                                     rsw * sizeof(real), 64)
+                if real is float:
+                    fc_transpose_block_f32(i0, min(oc_end - oc0, i0 + TB), j0, min(kcb, j0 + TB),
+                                           w + oc0 * rsw + t * C + kc0, rsw,
+                                           wloc + t * kcb * NR, NR)
+                else:
+                    fc_transpose_block_f64(i0, min(oc_end - oc0, i0 + TB), j0, min(kcb, j0 + TB),
+                                           w + oc0 * rsw + t * C + kc0, rsw,
+                                           wloc + t * kcb * NR, NR)
+
+
+cdef void wino_filter_block(const real* src, Py_ssize_t src_c, Py_ssize_t src_t,
+                            Py_ssize_t width, Py_ssize_t kcb, int tile, bint stream,
+                            real* dst, Py_ssize_t su) noexcept nogil:
+    # U = G g G^T of width (at most NR) output channels x kcb input
+    # channels: tap t of filter (c, oc) at src + c*src_c + oc + t*src_t,
+    # point p of its U at dst + p*su + c*NR + oc (rows of a packed B
+    # panel).  The transform runs on vectors of output channels, VL of which
+    # (VL divides NR) land as VL contiguous values of one panel row: the
+    # source has them contiguous (wino_transpose_filters' tile, or the
+    # flipped weight of an input gradient).
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t VL = VBYTES // sizeof(real)
+    cdef Py_ssize_t c, oc
+    for c in range(kcb):
+        oc = 0
+        while oc < width:
+            if oc + VL <= width:
+                wino_filter(tile, True, stream, src + c * src_c + oc, src_t, dst + c * NR + oc,
+                            su)
+                oc = oc + VL
+            else:
+                wino_filter(tile, False, False, src + c * src_c + oc, src_t,
+                            dst + c * NR + oc, su)
+                oc = oc + 1
+
+
 cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
                            bint flipped, const KBlock* blocks, const WinoLayout* lay, int nt,
                            int tile, real* dst) noexcept nogil:
-    # The filters of a conv with C input and OC output channels -> U = G g
-    # G^T per (oc, c), written straight into the packed layout of the
-    # GEMM's B operand (C x OC) of each point, point p at dst +
-    # p*point_size.  w: the conv's (OC x 9*C) weight, OHWI rows rsw apart;
-    # or, flipped, the (C x 9*OC) weight of the convolution whose input
-    # gradient this conv is (g[oc, t, c] = w[c, 8 - t, oc]).  The transform
-    # runs on vectors of output channels, VL of which (VL divides NR) land
-    # as VL contiguous values of one packed panel row: a flipped weight has
-    # them contiguous already (taps read backwards), the other is
-    # transposed to (tap, c, oc) a task's tile at a time.  Returns -1 when
-    # out of memory.
+    # The filters of a conv with C input and OC output channels -> U,
+    # written straight into the packed layout of the GEMM's B operand (C x
+    # OC) of each point, point p at dst + p*point_size.  w: the conv's (OC x
+    # 9*C) weight, OHWI rows rsw apart, transposed a task's tile at a time
+    # (transposing the whole weight to memory first wrote and read back 9.4
+    # MB per call at 512->512: 11-14 % of a per-call 512->512 @7 batch-8
+    # layer); or, flipped, the (C x 9*OC) weight of the convolution whose
+    # input gradient this conv is (g[oc, t, c] = w[c, 8 - t, oc]), whose
+    # output channels are contiguous already.  Returns -1 when out of memory.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t VL = VBYTES // sizeof(real)
-    cdef Py_ssize_t TB = 64 // sizeof(real)
     cdef Py_ssize_t kc_max = max_block_depth(blocks, lay.n_kb)
-    # Filter of (c, oc) tap t at src + c*src_c + oc + t*src_t (flipped).
-    cdef const real* src = w + 8 * OC
-    cdef Py_ssize_t src_c = rsw, src_t = -OC
-    # Otherwise each task first transposes its NR output channels x k-block
-    # of w into a tile of its own, (tap, c, oc) with rows NR apart, which
-    # stays in L2: transposing the whole weight to memory first wrote and
-    # read back 9.4 MB per call at 512->512 (perf: 11-14 % of a per-call
-    # 512->512 @7 batch-8 layer in that transpose).
     cdef Py_ssize_t tile_size = 9 * kc_max * NR
     cdef real* tiles = NULL
-    cdef real* wloc
-    cdef Py_ssize_t oc0, kc0, kcb, t, i0, j0, ib, jblk
     if not flipped:
         tiles = <real*>aligned_malloc(nt * tile_size * sizeof(real))
         if tiles == NULL:
@@ -206,9 +288,9 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
     # matrix are written in order, 36 sequential streams.  Walking c
     # outermost instead scattered every store over 36 x (OC/NR) panels,
     # each a write-allocate miss (half of a per-call 256x256 layer).
-    cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, c, kb, oc, oc_end, jb, off, fsc, fts
-    cdef const real* fsrc
-    cdef const real* fsrc0
+    cdef Py_ssize_t n_panels = cdiv(OC, NR), task, jp, kb, oc0, oc_end, kc0, kcb, jb
+    cdef real* wloc
+    cdef real* dst_task
     # Streaming stores need vector-aligned addresses: those of the vector
     # steps are when dst is (panel rows are NR values, oc % NR is a multiple
     # of VL, points point_size apart); a workspace block always is, a NumPy
@@ -221,44 +303,21 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
         jp = task // lay.n_kb
         kb = task % lay.n_kb
         oc0 = jp * NR
+        jb = oc0 // lay.nc_blk
         oc_end = min(OC, oc0 + NR)
         kc0 = blocks[kb].k0
         kcb = blocks[kb].kc
-        # Filter (c, oc) at fsrc0 + (c - kc0)*fsc + oc - oc0, taps fts apart.
-        fsrc0, fsc, fts = src + kc0 * src_c + oc0, src_c, src_t
-        if not flipped:
-            # wloc[(t*kcb + c - kc0)*NR + oc - oc0] = w[oc, t*C + c]
+        dst_task = (dst + (jb * lay.n_kb + kb) * kc_max * lay.nc_blk
+                    + (oc0 - jb * lay.nc_blk) * kcb)
+        if flipped:
+            # g[oc, t, c] = w[c, 8 - t, oc]: taps read backwards.
+            wino_filter_block(w + 8 * OC + kc0 * rsw + oc0, rsw, -OC, oc_end - oc0, kcb, tile,
+                              stream, dst_task, lay.point_size)
+        else:
             wloc = tiles + threadid() * tile_size
-            fsrc0, fsc, fts = wloc, NR, kcb * NR
-            for t in range(9):
-                for ib in range(cdiv(oc_end - oc0, TB)):
-                    i0 = ib * TB
-                    for jblk in range(cdiv(kcb, TB)):
-                        j0 = jblk * TB
-                        if real is float:
-                            fc_transpose_block_f32(i0, min(oc_end - oc0, i0 + TB), j0,
-                                                   min(kcb, j0 + TB),
-                                                   w + oc0 * rsw + t * C + kc0, rsw,
-                                                   wloc + t * kcb * NR, NR)
-                        else:
-                            fc_transpose_block_f64(i0, min(oc_end - oc0, i0 + TB), j0,
-                                                   min(kcb, j0 + TB),
-                                                   w + oc0 * rsw + t * C + kc0, rsw,
-                                                   wloc + t * kcb * NR, NR)
-        for c in range(kc0, kc0 + kcb):
-            oc = oc0
-            while oc < oc_end:
-                jb = oc // lay.nc_blk
-                off = ((jb * lay.n_kb + kb) * kc_max * lay.nc_blk
-                       + (oc - jb * lay.nc_blk) // NR * NR * kcb
-                       + (c - kc0) * NR + oc % NR)
-                fsrc = fsrc0 + (c - kc0) * fsc + oc - oc0
-                if oc + VL <= oc_end:
-                    wino_filter(tile, True, stream, fsrc, fts, dst + off, lay.point_size)
-                    oc = oc + VL
-                else:
-                    wino_filter(tile, False, False, fsrc, fts, dst + off, lay.point_size)
-                    oc = oc + 1
+            wino_transpose_filters(w, rsw, C, oc0, oc_end, kc0, kcb, wloc)
+            wino_filter_block(wloc, NR, kcb * NR, oc_end - oc0, kcb, tile, stream, dst_task,
+                              lay.point_size)
         if stream:
             fc_store_fence()
     aligned_free(tiles)
@@ -368,6 +427,92 @@ cdef void wino_output_tile(const ConvGeom* g, const real* m, Py_ssize_t sm, Py_s
             fc_wino_output_f64(m, sm, OC, bias, act, add, dst, syh, syw, rows, cols)
 
 
+cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                              const real* w, Py_ssize_t rsw, Py_ssize_t OC,
+                              const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
+                              bint flipped, bint accumulate, int tile, const WinoTiling* tl,
+                              Py_ssize_t tiles) noexcept nogil:
+    # winograd_forward_nogil for filters transformed in this call and few
+    # tiles (see wino_fused_max_tiles): V of every tile first; then each
+    # task, one NR panel of output channels, transforms its filters a
+    # k-block at a time into a buffer of its own (P x kc x NR, in L2),
+    # multiplies every tile's V by them at once, and finishes its channels
+    # of every tile.  U never goes to memory: packed up front, 36 x C x OC
+    # values were written out and read back per call (38 MB at 512->512),
+    # for GEMMs whose few rows use each value only a few times.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t points = wino_points(tile)
+    cdef Py_ssize_t kc_blk = max(16, WINO_FUSED_PANEL_BYTES
+                                 // (points * NR * <Py_ssize_t>sizeof(real)) // 16 * 16)
+    cdef KBlock* blocks = <KBlock*>malloc(cdiv(g.C, kc_blk) * sizeof(KBlock))
+    if blocks == NULL:
+        return -1
+    cdef Py_ssize_t n_kb = uniform_k_blocks(g.C, kc_blk, blocks)
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
+    cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
+    cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
+    # Points a line more than a panel apart: panels of whole pages (128 x
+    # 32 floats) put the 36 points' stores of one filter vector in one L1
+    # set (the filter transform took 36 % of 512->512 @7 batch 1, 1 thread;
+    # 62 -> 101 GFLOPS with the extra line).
+    cdef Py_ssize_t point_stride = kc_max * NR + 64 // <Py_ssize_t>sizeof(real)
+    cdef Py_ssize_t panel_size = points * point_stride, wtile_size = 9 * g.C * NR
+    cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(points * sm * sizeof(real))
+    cdef real* panels = <real*>aligned_malloc(nt * panel_size * sizeof(real))
+    cdef real* wtiles = NULL
+    if not flipped:
+        wtiles = <real*>aligned_malloc(nt * wtile_size * sizeof(real))
+    if v == NULL or m == NULL or panels == NULL or (wtiles == NULL and not flipped):
+        aligned_free(v)
+        aligned_free(m)
+        aligned_free(panels)
+        aligned_free(wtiles)
+        free(blocks)
+        return -1
+    cdef Py_ssize_t t, jp, kb, p, oc0, width, kc0, kcb
+    cdef real* up
+    cdef real* wloc
+    for t in prange(tiles, num_threads=nt, schedule="static"):
+        wino_input_tile(g, x, xs, tl, t, v + t * ldv, sv)
+    for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
+        oc0 = jp * NR
+        width = min(NR, OC - oc0)
+        up = panels + threadid() * panel_size
+        wloc = NULL if flipped else wtiles + threadid() * wtile_size
+        if not flipped:
+            # The panel's weights for every k-block at once: each row one
+            # run, which wino_transpose_filters prefetches ahead in.
+            wino_transpose_filters(w, rsw, g.C, oc0, oc0 + width, 0, g.C, wloc)
+        for kb in range(n_kb):
+            kc0 = blocks[kb].k0
+            kcb = blocks[kb].kc
+            if width < NR:
+                # Columns past OC multiply into discarded accumulators; zeros
+                # keep NaN and subnormals out of them.
+                memset(up, 0, panel_size * sizeof(real))
+            if flipped:
+                wino_filter_block(w + 8 * OC + kc0 * rsw + oc0, rsw, -OC, width, kcb, tile,
+                                  False, up, point_stride)
+            else:
+                wino_filter_block(wloc + kc0 * NR, NR, g.C * NR, width, kcb, tile, False, up,
+                                  point_stride)
+            for p in range(points):
+                macro_kernel(tiles, width, kcb, 0, 1, v + p * sv + kc0, ldv, 1,
+                             up + p * point_stride, m + p * sm + oc0, ldm, 1, 1, 0, kb == 0,
+                             NULL, ACT_NONE, 0)
+        for t in range(tiles):
+            wino_output_tile(g, m + t * ldm + oc0, sm, width,
+                             NULL if bias == NULL else bias + oc0, act, accumulate, tl, t,
+                             y + oc0, rsy)
+    aligned_free(v)
+    aligned_free(m)
+    aligned_free(panels)
+    aligned_free(wtiles)
+    free(blocks)
+    return 0
+
+
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
@@ -385,6 +530,10 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t points = wino_points(tile)
     cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
+    if (prepacked == NULL and tiles <= wino_fused_max_tiles
+            and points * g.C * OC >= wino_fused_min_values):
+        return winograd_fused_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,
+                                    accumulate, tile, &tl, tiles)
     cdef WinoLayout lay
     cdef KBlock* blocks = wino_layout(<real>0, g.C, OC, &lay)
     if blocks == NULL:
