@@ -267,8 +267,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       input channels as the image has pixels);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
-      few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer; see _winograd_tile and
-      _winograd_pays for when auto takes it);
+      prepacked filters and few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer;
+      see _winograd_tile and _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
     - "im2col": the whole patch matrix, then one GEMM per group (the
