@@ -1047,8 +1047,10 @@ def test_every_algorithm_and_activation_match_torch(x_shape, w_shape, kwargs, al
 @pytest.mark.parametrize("x_shape, w_shape, kwargs, algorithms", ALGORITHM_CASES + [
     # Winograd per dilation phase: tiles written (and the residual read) d apart.
     ((2, 13, 11, 8), (8, 3, 3, 8), dict(padding=2, dilation=2), ("implicit", "winograd")),
-    # Four 4x4 tiles: Winograd F(2x2, 3x3).
-    ((1, 7, 7, 16), (24, 3, 3, 16), dict(padding=1), ("implicit", "winograd"))])
+    # Four 4x4 tiles: Winograd F(2x2, 3x3) for the packed layer.
+    ((1, 7, 7, 16), (24, 3, 3, 16), dict(padding=1), ("implicit", "winograd")),
+    # Four tiles, 36 x 96 x 96 filter values: per call the fused Winograd path.
+    ((1, 7, 7, 96), (96, 3, 3, 96), dict(padding=1), ("implicit", "winograd"))])
 @pytest.mark.parametrize("activation", [None, "relu", "relu6"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual_is_added_before_the_activation(x_shape, w_shape, kwargs, algorithms,
