@@ -484,13 +484,14 @@ cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
             # The panel's weights for every k-block at once: each row one
             # run, which wino_transpose_filters prefetches ahead in.
             wino_transpose_filters(w, rsw, g.C, oc0, oc0 + width, 0, g.C, wloc)
+        if width < NR:
+            # Columns past OC multiply into discarded accumulators: zeros
+            # (no k-block writes them) keep NaN and subnormals out of them,
+            # whatever this thread's previous, full panel left there.
+            memset(up, 0, panel_size * sizeof(real))
         for kb in range(n_kb):
             kc0 = blocks[kb].k0
             kcb = blocks[kb].kc
-            if width < NR:
-                # Columns past OC multiply into discarded accumulators; zeros
-                # keep NaN and subnormals out of them.
-                memset(up, 0, panel_size * sizeof(real))
             if flipped:
                 wino_filter_block(w + 8 * OC + kc0 * rsw + oc0, rsw, -OC, width, kcb, tile,
                                   False, up, point_stride)
