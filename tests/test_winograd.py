@@ -282,13 +282,15 @@ def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request, tile):
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("C, OC", [(20, 48), (300, 37), (16, 130)])
+@pytest.mark.parametrize("C, OC", [(20, 48), (300, 37), (16, 130), (20, 300)])
 def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     """The fused path (filters transformed a panel of output channels and a
     k-block at a time) against U packed up front, for the forward and for
     the input gradient (the flipped weight: output and input channels
-    swap); C = 300 spans several of its k-blocks, OC = 37 and 130 end in a
-    partial panel.  Their k-blocks differ, so sums agree to rounding."""
+    swap); 300 input channels span several k-blocks, OC = 37 and 130 end
+    in a partial panel.  Their k-blocks differ, so sums agree to rounding;
+    with 300 input channels they differ in some last bit, which shows the
+    fused path ran."""
     rng = np.random.default_rng(C + OC)
     x = rng.standard_normal((1, 9, 10, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
@@ -310,9 +312,12 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
                 results[name] = forward_and_data_grad()
             finally:
                 kernels.set_winograd_fused(*previous)
-    for got, expected in zip(results["fused"], results["packed"]):
+    # The forward's input channels are C, the input gradient's OC.
+    for got, expected, depth in zip(results["fused"], results["packed"], (C, OC)):
         scale = np.abs(expected).max()
         np.testing.assert_allclose(got, expected, rtol=0, atol=rtol * scale)
+        if depth == 300:
+            assert not np.array_equal(got, expected), "the fused path did not run"
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
