@@ -21,6 +21,10 @@ import numpy as np
 # micro-panel and drive every chunking path with small images.
 cdef Py_ssize_t chunk_bytes = 512 * 1024
 
+# Images up to this size the forward's tiles do not prefetch: twice the
+# L2 of the machines measured (1 MiB; see multiply_pixel_rows).
+cdef Py_ssize_t PREFETCH_IMAGE_BYTES = 2 << 20
+
 
 def set_chunk_bytes(Py_ssize_t nbytes):
     """Set the patch-chunk budget (tests only: not thread-safe); returns the
@@ -445,7 +449,20 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # Tiles of equal size (within one pixel): 49 pixels as 4 x 12 + 1 spent
     # ~8 % of a 512->512 @7 batch-1 call in the 1-row tile, whose loop
     # waits on its B loads; as 9 + 4 x 10 every tile keeps the FMAs busy.
-    cdef Py_ssize_t n_tiles = cdiv(npix, MR)
+    cdef Py_ssize_t n_tiles = cdiv(npix, MR), nx0, nxm
+    # While a tile is multiplied, its panels ask for the next tile's runs
+    # (into L2), as the GEMM frame does for the next slice of A: an image
+    # past L2 made the micro-kernel wait on its broadcasts (1 thread, in one
+    # process alternately: 1x1 256->64 @56 batch 8, forced implicit, 82-88
+    # -> 100-106 GFLOPS; 3x3/2 64->128 @56 batch 8 97-101 -> 103-107).  Not
+    # for an image of at most PREFETCH_IMAGE_BYTES, which stays in L2 from
+    # one k-block to the next (the same 3x3/2 layer at batch 1, 0.8 MB:
+    # 108-109 -> 106-107), nor for runs shorter than 4 lines, whose prefetch
+    # loop costs more than it hides (VGG conv1_1, 9-value runs: 77-93 ->
+    # 68-84).
+    cdef bint prefetch_runs
+    cdef bint image_past_l2 = (g.N * g.H * g.W * xs.w * <Py_ssize_t>sizeof(real)
+                               > PREFETCH_IMAGE_BYTES)
     for jb in range(cdiv(OC, nc_blk)):
         jc = jb * nc_blk
         nc = min(nc_blk, OC - jc)
@@ -463,6 +480,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                 n_runs = blk.ntaps
                 run_off = tap_off + blk.t0
                 run_len = blk.cw
+            prefetch_runs = image_past_l2 and run_len * <Py_ssize_t>sizeof(real) >= 256
             if own_block != NULL:
                 for jp in range(jp0, jp1):
                     jr = jp * NR
@@ -489,6 +507,19 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                             table[r * mr + i] = a + run_off[r]
                 for jp in range(jp0, jp1):
                     jr = jp * NR
+                    if prefetch_runs and ti + 1 < n_tiles:
+                        # This panel's share of the next tile's pixels.
+                        nx0 = share_start(ti + 1, npix, n_tiles)
+                        nxm = share_start(ti + 2, npix, n_tiles) - nx0
+                        for i in range(share_start(jp - jp0, nxm, jp1 - jp0),
+                                       share_start(jp - jp0 + 1, nxm, jp1 - jp0)):
+                            pix = rows + nx0 + i
+                            for r in range(n_runs):
+                                if pix.built:
+                                    a = <const real*>pix.base + blk.k0 + r * run_len
+                                else:
+                                    a = <const real*>pix.base + blk.c0 + run_off[r]
+                                fc_prefetch_rows(a, 1, 0, run_len * sizeof(real))
                     yt = y + i0 * rsy + jc + jr
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
                     tile_act = act if kb == n_kb - 1 else ACT_NONE
