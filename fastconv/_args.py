@@ -33,6 +33,8 @@ def _is_pair(value):
 
 def int_pair(value, name, what="an int or a pair of ints"):
     """An int or a 2-sequence of ints as an (h, w) tuple."""
+    if type(value) is int:          # the common case, first
+        return (value, value)
     if _is_pair(value):
         if len(value) != 2:
             raise ValueError(f"{name} must be {what}; got {value!r}")
@@ -73,16 +75,26 @@ def output_mask(mask):
     return tuple(bool(m) for m in mask)
 
 
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 def float_array(x, name, ndim):
     """x as a float32/float64 ndarray of ndim dimensions, copied only when
     its strides are not whole elements or it is misaligned (the kernels
     index in elements)."""
-    x = np.asarray(x)
-    if x.dtype not in (np.float32, np.float64):
+    if type(x) is not np.ndarray:
+        x = np.asarray(x)
+    # numpy's native float dtypes are singletons: the identity test spares
+    # the common case dtype.__eq__ (a byte-swapped float32 is not it).
+    if not (x.dtype is _FLOAT32 or x.dtype is _FLOAT64) and x.dtype not in (_FLOAT32, _FLOAT64):
         raise TypeError(f"{name} must be float32 or float64; got dtype {x.dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {x.shape}")
-    if not x.flags.aligned or any(s % x.itemsize for s in x.strides):
+    # C-contiguous: whole-element strides, but for axes of length 1, whose
+    # stride numpy lets be anything.
+    flags = x.flags
+    if not flags.aligned or ((not flags.c_contiguous or 1 in x.shape)
+                             and any(s % x.itemsize for s in x.strides)):
         x = np.ascontiguousarray(x)
     return x
 
@@ -117,6 +129,8 @@ def same_padding(size, kernel, stride, dilation):
 
 def conv_padding(padding, in_hw, kernel, stride, dilation):
     """Any of conv2d's padding forms -> ((top, bottom), (left, right))."""
+    if type(padding) is int and padding >= 0:
+        return ((padding, padding), (padding, padding))
     if isinstance(padding, str):
         if padding == "valid":
             return ((0, 0), (0, 0))

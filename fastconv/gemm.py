@@ -6,6 +6,7 @@ import numbers
 import numpy as np
 
 from . import _dispatch
+from ._kernels import _runtime
 from ._threads import get_num_threads
 
 __all__ = ["sgemm", "dgemm", "matmul"]
@@ -33,8 +34,7 @@ def empty_aligned(shape, dtype):
         else:
             return np.frombuffer(block, np.uint8).view(dtype).reshape(shape)
     buf = np.empty(nbytes + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start:start + nbytes].view(dtype).reshape(shape)
+    return np.ndarray(shape, dtype, buf, -_runtime.buffer_address(buf) % 64)
 
 
 def float_matrix(x, name):

@@ -684,6 +684,35 @@ def test_misaligned_and_odd_stride_inputs():
     np.testing.assert_array_equal(fastconv.im2col(x, 3), fastconv.im2col(x.copy(), 3))
 
 
+def test_odd_stride_on_a_length_one_axis():
+    # numpy calls an array with a length-1 axis C-contiguous whatever that
+    # axis' stride is, even one that is not whole elements (which the
+    # facade copies, contiguous or not): the same result as its copy.
+    rng = np.random.default_rng(14)
+    base = rng.standard_normal(1 + 5 * 7 * 3 + 1)
+    x = np.lib.stride_tricks.as_strided(base[1:], (1, 5, 7, 3), (3, 7 * 3 * 8, 3 * 8, 8))
+    assert x.flags.c_contiguous and x.strides[0] % x.itemsize
+    w = rng.standard_normal((4, 3, 3, 3))
+    np.testing.assert_array_equal(conv2d(x, w, padding=1), conv2d(x.copy(), w, padding=1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_byte_swapped_input_is_refused(dtype):
+    x = np.zeros((1, 4, 4, 2), np.dtype(dtype).newbyteorder())
+    with pytest.raises(TypeError, match="x must be float32 or float64"):
+        conv2d(x, np.zeros((3, 3, 3, 2), dtype))
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 3, 5, 7), (1, 1, 1, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_empty_aligned(shape, dtype):
+    from fastconv.gemm import empty_aligned
+    for _ in range(8):                 # numpy's own allocations land anywhere mod 64
+        a = empty_aligned(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+        assert a.flags.writeable and a.ctypes.data % 64 == 0
+
+
 # --------------------------------------------------------------- errors
 
 X = np.zeros((1, 5, 5, 4))

@@ -92,3 +92,17 @@ def in_forked_child():
     """True in a process created by fork() after this module was imported
     (and in its descendants)."""
     return bool(fastconv_forked)
+
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+
+
+def buffer_address(obj):
+    """The address of a contiguous buffer's first byte (what
+    ndarray.ctypes.data gives, in a quarter of the time: the facade aligns
+    every output with it)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
+    cdef size_t address = <size_t>view.buf
+    PyBuffer_Release(&view)
+    return address
