@@ -9,6 +9,8 @@ its next one with more than one thread.  A pthread_atfork child handler
 C code) marks the process as a forked child; fastconv._threads then runs
 every kernel there with one thread."""
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+
 cdef extern from *:
     """
     #ifdef _OPENMP
@@ -92,9 +94,6 @@ def in_forked_child():
     """True in a process created by fork() after this module was imported
     (and in its descendants)."""
     return bool(fastconv_forked)
-
-
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 
 
 def buffer_address(obj):
