@@ -984,6 +984,10 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (1, 11, 11, 256, 64, 3, 1, 1, 1),
     # ... or, above that, each thread walking every chunk for its share.
     (1, 10, 11, 600, 64, 3, 1, 1, 1),
+    # Images past 2 MiB, whose tiles prefetch the next tile's runs (built
+    # border rows and image runs), 3x3/2 and 1x1/2.
+    (2, 24, 25, 512, 16, 3, 2, 1, 1),
+    (2, 32, 33, 288, 24, 1, 2, 1, 0),
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
