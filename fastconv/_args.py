@@ -75,7 +75,8 @@ def output_mask(mask):
     return tuple(bool(m) for m in mask)
 
 
-_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+#: numpy's native float dtypes, which are singletons (tested by identity).
+FLOAT32, FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def float_array(x, name, ndim):
@@ -84,19 +85,29 @@ def float_array(x, name, ndim):
     index in elements)."""
     if type(x) is not np.ndarray:
         x = np.asarray(x)
-    # numpy's native float dtypes are singletons: the identity test spares
-    # the common case dtype.__eq__ (a byte-swapped float32 is not it).
-    if not (x.dtype is _FLOAT32 or x.dtype is _FLOAT64) and x.dtype not in (_FLOAT32, _FLOAT64):
+    if not kernel_float(x.dtype):
         raise TypeError(f"{name} must be float32 or float64; got dtype {x.dtype}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {x.shape}")
-    # C-contiguous: whole-element strides, but for axes of length 1, whose
-    # stride numpy lets be anything.
-    flags = x.flags
-    if not flags.aligned or ((not flags.c_contiguous or 1 in x.shape)
-                             and any(s % x.itemsize for s in x.strides)):
+    if not x.flags.aligned or not element_strides(x):
         x = np.ascontiguousarray(x)
     return x
+
+
+def kernel_float(dtype):
+    """Whether the kernels read dtype: native float32 or float64 (a
+    byte-swapped float32 is neither).  Identity first: it spares the common
+    case dtype.__eq__."""
+    return dtype is FLOAT32 or dtype is FLOAT64 or dtype in (FLOAT32, FLOAT64)
+
+
+def element_strides(x):
+    """Whether every stride of ndarray x is a whole number of elements, as
+    the kernels index.  A non-empty C-contiguous array's are, but for its
+    length-1 axes, whose stride numpy lets be anything (and an empty one's
+    are anything); the fast test covers the common case."""
+    return (x.flags.c_contiguous and x.size and 1 not in x.shape) or not any(
+        s % x.itemsize for s in x.strides)
 
 
 def same_dtype(array, name, dtype):

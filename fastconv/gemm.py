@@ -5,8 +5,9 @@ import numbers
 
 import numpy as np
 
-from . import _dispatch
+from . import _args, _dispatch
 from ._kernels import _runtime
+from ._args import FLOAT32, FLOAT64
 from ._threads import get_num_threads
 
 __all__ = ["sgemm", "dgemm", "matmul"]
@@ -37,6 +38,7 @@ def empty_aligned(shape, dtype):
     return np.ndarray(shape, dtype, buf, -_runtime.buffer_address(buf) % 64)
 
 
+
 def float_matrix(x, name):
     """``x`` as an ndarray, checked to be 2-D and floating; not cast or
     copied yet (the shapes are checked first: an invalid call allocates
@@ -57,17 +59,20 @@ def as_float_matrix(x, name, dtype=None):
     """
     x = float_matrix(x, name)
     if dtype is not None:
-        x = x.astype(dtype, copy=False)
+        if x.dtype is not dtype:         # np.dtype's native instances are singletons
+            x = x.astype(dtype, copy=False)
     elif not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))  # the kernels read native floats
-    if x.dtype not in (np.float32, np.float64):
+    if not _args.kernel_float(x.dtype):
         raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
-    if any(s % x.itemsize for s in x.strides):
+    if not _args.element_strides(x):
         x = np.ascontiguousarray(x)
     return x
 
 
 def as_scalar(value, name):
+    if type(value) is float:           # the common case, without the ABC checks
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
@@ -110,7 +115,7 @@ def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
         if overwrite_c:
             if not c.flags.writeable:
                 raise ValueError("c is read-only but overwrite_c=True")
-            if any(s % c.itemsize for s in c.strides):
+            if not _args.element_strides(c):
                 raise ValueError("c has strides that are not whole elements; pass a copy")
     a = as_float_matrix(a, "a", dtype)
     b = as_float_matrix(b, "b", dtype)
@@ -142,12 +147,12 @@ def sgemm(alpha, a, b, beta=0.0, c=None, trans_a=False, trans_b=False, overwrite
     written in place when overwrite_c is true, else a new array is returned.
     beta == 0 ignores what c holds, NaN included (BLAS semantics).
     """
-    return _gemm(np.float32, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+    return _gemm(FLOAT32, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
 
 
 def dgemm(alpha, a, b, beta=0.0, c=None, trans_a=False, trans_b=False, overwrite_c=False):
     """float64 twin of :func:`sgemm` (scipy.linalg.blas.dgemm semantics)."""
-    return _gemm(np.float64, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+    return _gemm(FLOAT64, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
 
 
 def matmul(a, b):
