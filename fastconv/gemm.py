@@ -5,9 +5,9 @@ import numbers
 
 import numpy as np
 
-from . import _args, _dispatch
+from . import _dispatch
+from ._args import FLOAT32, FLOAT64, element_strides, kernel_float
 from ._kernels import _runtime
-from ._args import FLOAT32, FLOAT64
 from ._threads import get_num_threads
 
 __all__ = ["sgemm", "dgemm", "matmul"]
@@ -38,7 +38,6 @@ def empty_aligned(shape, dtype):
     return np.ndarray(shape, dtype, buf, -_runtime.buffer_address(buf) % 64)
 
 
-
 def float_matrix(x, name):
     """``x`` as an ndarray, checked to be 2-D and floating; not cast or
     copied yet (the shapes are checked first: an invalid call allocates
@@ -63,9 +62,9 @@ def as_float_matrix(x, name, dtype=None):
             x = x.astype(dtype, copy=False)
     elif not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))  # the kernels read native floats
-    if not _args.kernel_float(x.dtype):
+    if not kernel_float(x.dtype):
         raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
-    if not _args.element_strides(x):
+    if not element_strides(x):
         x = np.ascontiguousarray(x)
     return x
 
@@ -115,7 +114,7 @@ def _gemm(dtype, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c):
         if overwrite_c:
             if not c.flags.writeable:
                 raise ValueError("c is read-only but overwrite_c=True")
-            if not _args.element_strides(c):
+            if not element_strides(c):
                 raise ValueError("c has strides that are not whole elements; pass a copy")
     a = as_float_matrix(a, "a", dtype)
     b = as_float_matrix(b, "b", dtype)
