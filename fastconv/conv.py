@@ -585,11 +585,12 @@ def _check_bias(bias, dtype, channels):
     return np.ascontiguousarray(bias)  # the kernels add it from contiguous memory
 
 
-def _check_residual(residual, dtype, nhwc_shape, layout):
-    """residual as an NHWC view (None stays None): conv2d's result shape
-    in the caller's layout, the dtype of x."""
+def _check_residual(residual, c):
+    """residual as an NHWC view (None stays None): the result shape of the
+    convolution c (a _Conv) in the caller's layout, the dtype of x."""
     if residual is None:
         return None
+    dtype, nhwc_shape, layout = c.x.dtype, c.out_shape(), c.layout
     r = _args.float_array(residual, "residual", 4)
     _args.same_dtype(r, "residual", dtype)
     r = _to_nhwc(r, layout)
@@ -757,8 +758,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     bias = _check_bias(bias, c.x.dtype, c.weight.shape[0])
     algorithm = _args.choice(algorithm, "algorithm", ALGORITHMS)
     _check_activation(activation)
-    if residual is not None:
-        residual = _check_residual(residual, c.x.dtype, c.out_shape(), c.layout)
+    residual = _check_residual(residual, c)
     y = _forward(c.padded_x(), _weight_matrix(c.weight), groups, c.geo, bias, algorithm,
                  activation, residual=residual)
     return _from_nhwc(y, c.layout)
@@ -828,8 +828,7 @@ class PackedConv2d:
         if activation is _UNSET:
             activation = self.activation
         _check_activation(activation)
-        if residual is not None:
-            residual = _check_residual(residual, c.x.dtype, c.out_shape(), c.layout)
+        residual = _check_residual(residual, c)
         y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, self.algorithm,
                      activation, self._packed, residual)
         return _from_nhwc(y, c.layout)

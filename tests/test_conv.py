@@ -686,12 +686,17 @@ def test_misaligned_and_odd_stride_inputs():
 
 def test_odd_stride_on_a_length_one_axis():
     # numpy calls an array with a length-1 axis C-contiguous whatever that
-    # axis' stride is, even one that is not whole elements (which the
-    # facade copies, contiguous or not): the same result as its copy.
+    # axis' stride is, even one that is not whole elements, and an empty
+    # array C-contiguous whatever its strides: the facade's fast stride
+    # test must not take either for whole elements.
+    from fastconv._args import element_strides
     rng = np.random.default_rng(14)
     base = rng.standard_normal(1 + 5 * 7 * 3 + 1)
     x = np.lib.stride_tricks.as_strided(base[1:], (1, 5, 7, 3), (3, 7 * 3 * 8, 3 * 8, 8))
-    assert x.flags.c_contiguous and x.strides[0] % x.itemsize
+    empty = np.lib.stride_tricks.as_strided(base, (0, 4), (3, 8))
+    assert x.flags.c_contiguous and x.strides[0] % x.itemsize and empty.flags.c_contiguous
+    assert not element_strides(x) and not element_strides(empty)
+    assert element_strides(x.copy()) and element_strides(base[::3].reshape(1, -1))
     w = rng.standard_normal((4, 3, 3, 3))
     np.testing.assert_array_equal(conv2d(x, w, padding=1), conv2d(x.copy(), w, padding=1))
 
