@@ -37,12 +37,14 @@ cdef extern from "micro_kernel.h":
         OUT_STREAM "FC_OUT_STREAM"
     # The micro-kernels (micro_kernel.h): a tile finished into out, rows
     # rso apart (flags FC_OUT_ADD, FC_OUT_STREAM; bias; act).
+    # fc_micro_kernel prefetches (into L2) its rows' values pf bytes on as it
+    # goes (pf 0: none).
     void fc_micro_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
-                             const float* b, float* out, Py_ssize_t rso, int flags,
-                             const float* bias, int act) noexcept nogil
+                             Py_ssize_t pf, const float* b, float* out, Py_ssize_t rso,
+                             int flags, const float* bias, int act) noexcept nogil
     void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
-                             const double* b, double* out, Py_ssize_t rso, int flags,
-                             const double* bias, int act) noexcept nogil
+                             Py_ssize_t pf, const double* b, double* out, Py_ssize_t rso,
+                             int flags, const double* bias, int act) noexcept nogil
     void fc_indirect_kernel_f32(int mr, Py_ssize_t nruns, const float* const* rows, Py_ssize_t kc,
                                 const float* b, float* out, Py_ssize_t rso, int flags,
                                 const float* bias, int act) noexcept nogil
@@ -103,6 +105,9 @@ cdef enum:
     # the L1 set stride.
     A_PANEL_PAD = 16
     MAX_PANEL = S_MR * (S_KC + 16) + D_MR * (D_KC + 16)
+    # Prefetches one panel may issue at once for the next A slice (see
+    # macro_kernel_ld): about the L2's outstanding misses on Zen 4.
+    PREFETCH_BURST_LINES = 32
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -469,10 +474,12 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef bint kmajor_a = csa != 1 and rsa == 1
     cdef bint copy_a = not kmajor_a and (csa != 1
                                          or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
+    cdef bint in_place_a = not kmajor_a and not copy_a
+    cdef bint kernel_prefetch
     cdef const real* ap
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, pr0, pr1, ars = kc + A_PANEL_PAD if copy_a else rsa
-    cdef Py_ssize_t rso
+    cdef Py_ssize_t rso, pf
     cdef real* out
     # write_tile adds the bias with the first K block only.
     cdef const real* tile_bias = bias if first else NULL
@@ -486,6 +493,15 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         mr = share_start(ip + 1, mc, n_tiles) - ir
         next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
+        # Lines of the next slice per panel: asked for from here in a
+        # burst before each panel, past PREFETCH_BURST_LINES they filled the
+        # miss queue and stalled (1x1 256->64 @56 b8: 2 panels, 96 lines
+        # each; perf: 6 % of the samples on the prefetch at 2 threads);
+        # then the first panel's kernel asks for them as it goes (2 threads,
+        # alternating processes: 144-180 -> 196-215 GFLOPS; with 6 lines a
+        # panel, 1x1 64->256, the kernel's way lost 3-4 %).
+        kernel_prefetch = (in_place_a and next_rows * cdiv(kc * sizeof(real), 64)
+                           > PREFETCH_BURST_LINES * (jp1 - jp0))
         if kmajor_a and next_kc > 0:
             fc_prefetch_rows(a + (kc + share_start(ip, next_kc, n_tiles)) * csa,
                              share_start(ip + 1, next_kc, n_tiles)
@@ -502,11 +518,21 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             ap = panel
         for jp in range(jp0, jp1):
             jr = jp * NR
+            pf = 0
             if next_rows > 0:
                 # This panel's share of the next slice's rows.
                 pr0 = ir + mr + share_start(jp - jp0, next_rows, jp1 - jp0)
                 pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
-                if csa == 1:            # row-major A, read in place or copied
+                if kernel_prefetch:
+                    # The first panel's kernel asks for them as it goes;
+                    # a next slice one row taller than this one gets its
+                    # last row from here.
+                    if jp == jp0:
+                        pf = mr * rsa * sizeof(real)
+                        if next_rows > mr:
+                            fc_prefetch_rows(a + (ir + 2 * mr) * rsa, next_rows - mr,
+                                             rsa * sizeof(real), kc * sizeof(real))
+                elif csa == 1:          # row-major A, read in place or copied
                     fc_prefetch_rows(a + pr0 * rsa, pr1 - pr0, rsa * sizeof(real),
                                      kc * sizeof(real))
                 if csc == 1 and not stream:
@@ -525,15 +551,15 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                     fc_kmajor_kernel_f32(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
                                          out_bias, out_act)
                 else:
-                    fc_micro_kernel_f32(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                        out_bias, out_act)
+                    fc_micro_kernel_f32(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
+                                        flags, out_bias, out_act)
             else:
                 if kmajor_a:
                     fc_kmajor_kernel_f64(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
                                          out_bias, out_act)
                 else:
-                    fc_micro_kernel_f64(mr, kc, ap, ars, bpack + jr * ldb, out, rso, flags,
-                                        out_bias, out_act)
+                    fc_micro_kernel_f64(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
+                                        flags, out_bias, out_act)
             if out == acc:
                 write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
                            NULL if bias == NULL else bias + jr, act, stream)

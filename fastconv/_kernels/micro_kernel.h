@@ -63,6 +63,12 @@
  * other than 0 and 1, strided C) passes a stack tile (out = acc, rso = NR,
  * no flags) and finishes it.
  *
+ * The plain kernel takes pf: when not 0, it prefetches (into L2) each of
+ * its rows pf bytes on as it walks k, one line per row every 64 bytes (the
+ * GEMM frame's next A slice; see macro_kernel_ld).  It is kept out of line:
+ * inlined into the frame's clones it ran 3-4 % slower on a 1x1 64->256
+ * layer (2 threads).
+ *
  * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
  * one.  Kernels with R above the build's MR are never called.
@@ -72,7 +78,25 @@
  * (see the loop). */
 enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
-#define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP)                   \
+/* One k of FC_KERNEL_BODY: the R x NR rank-1 update from row values at
+ * a + off[i] and the panel's NR values at b, then both step on. */
+#define FC_K_STEP(T, MR, NR, KSTEP)                                             \
+    {                                                                           \
+        VEC bv[NV];                                                             \
+        /* memcpy: an unaligned-safe vector load the compiler folds. */         \
+        FC_UNROLL for (int j = 0; j < NV; j++)                                  \
+            memcpy(&bv[j], b + j * VL, FC_VBYTES);                              \
+        FC_UNROLL for (int i = 0; i < (MR); i++) {                              \
+            T ai;                                                               \
+            memcpy(&ai, a + off[i], sizeof(T));                                 \
+            FC_UNROLL for (int j = 0; j < NV; j++)                              \
+                c[i][j] += ai * bv[j];                                          \
+        }                                                                       \
+        a += (KSTEP);                                                           \
+        b += (NR);                                                              \
+    }
+
+#define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP, PF)               \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
@@ -90,20 +114,21 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
             ptrdiff_t off[MR];                                                  \
             FC_UNROLL for (int i = 0; i < (MR); i++)                            \
                 off[i] = (ptrdiff_t)((uintptr_t)(ROW(t, i)) - (uintptr_t)a);    \
-            for (ptrdiff_t p = 0; p < kc; p++) {                                \
-                VEC bv[NV];                                                     \
-                /* memcpy: an unaligned-safe vector load the compiler folds. */ \
-                FC_UNROLL for (int j = 0; j < NV; j++)                          \
-                    memcpy(&bv[j], b + j * VL, FC_VBYTES);                      \
-                FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
-                    T ai;                                                       \
-                    memcpy(&ai, a + off[i], sizeof(T));                         \
-                    FC_UNROLL for (int j = 0; j < NV; j++)                      \
-                        c[i][j] += ai * bv[j];                                  \
+            if (PF)                                                             \
+                /* k a line (64 bytes) of a row at a time, each step asking  \
+                   for the line of each row PF bytes on; a loop of its own,  \
+                   so that calls without PF keep the plain one. */           \
+                for (ptrdiff_t p0 = 0; p0 < kc; p0 += 64 / sizeof(T)) {         \
+                    ptrdiff_t pn = kc - p0 < (ptrdiff_t)(64 / sizeof(T))        \
+                                   ? kc - p0 : (ptrdiff_t)(64 / sizeof(T));     \
+                    FC_UNROLL for (int i = 0; i < (MR); i++)                    \
+                        __builtin_prefetch(a + off[i] + (PF), 0, 2);            \
+                    for (ptrdiff_t p = 0; p < pn; p++)                          \
+                        FC_K_STEP(T, MR, NR, KSTEP)                             \
                 }                                                               \
-                a += (KSTEP);                                                   \
-                b += (NR);                                                      \
-            }                                                                   \
+            else                                                                \
+                for (ptrdiff_t p = 0; p < kc; p++)                              \
+                    FC_K_STEP(T, MR, NR, KSTEP)                                 \
         }                                                                       \
         const VEC zero = {0}, six = zero + 6;                                   \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
@@ -139,24 +164,24 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 #define FC_KMAJOR_ROW(t, i) (a0 + (i))
 
 #define FC_DEFINE_ROWS_KERNELS(SUFFIX, T, R, NR)                                 \
-    static inline void fc_micro_kernel_##SUFFIX##_##R(                          \
-        ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, const T *restrict b, \
-        T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
-        int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW, sizeof(T))                \
+    static __attribute__((noinline)) void fc_micro_kernel_##SUFFIX##_##R(      \
+        ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, ptrdiff_t pf,        \
+        const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
+        const T *restrict bias, int act)                                        \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW, sizeof(T), pf)            \
     static inline void fc_indirect_kernel_##SUFFIX##_##R(                       \
         ptrdiff_t nruns, const T *const *restrict rows, ptrdiff_t kc,           \
         const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
         const T *restrict bias, int act)                                        \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T))            \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T), 0)         \
     static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
         ptrdiff_t kc, const T *restrict a0, const T *restrict b,                \
         T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
         int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, (R) * sizeof(T))
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, (R) * sizeof(T), 0)
 
 #define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
-    case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, b, out, rso, flags,     \
+    case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, pf, b, out, rso, flags, \
                                            bias, act); break;
 
 #define FC_KMAJOR_CASE(SUFFIX, T, R, NR)                                         \
@@ -180,8 +205,8 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     typedef IT fc_ivec_##SUFFIX __attribute__((vector_size(FC_VBYTES)));        \
     FC_FOR_ROWS(FC_DEFINE_ROWS_KERNELS, SUFFIX, T, NR)                          \
     static inline void fc_micro_kernel_##SUFFIX(                                \
-        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t rsa, const T *b, T *out,   \
-        ptrdiff_t rso, int flags, const T *bias, int act)                       \
+        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t rsa, ptrdiff_t pf,         \
+        const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_MICRO_CASE, SUFFIX, T, NR) }               \
     }                                                                           \
