@@ -105,9 +105,6 @@ cdef enum:
     # the L1 set stride.
     A_PANEL_PAD = 16
     MAX_PANEL = S_MR * (S_KC + 16) + D_MR * (D_KC + 16)
-    # Prefetches one panel may issue at once for the next A slice (see
-    # macro_kernel_ld): about the L2's outstanding misses on Zen 4.
-    PREFETCH_BURST_LINES = 32
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -462,11 +459,18 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # is not streamed (see can_stream and write_tile), a share of their rows
     # before each panel: issued all at once, ~400 lines a slice at 2048^3,
     # the prefetches filled the miss queue and stalled (perf: 11 % of the
-    # samples on them and on the next copy).  An A.T view's tiles
-    # read mr values from each of kc rows: a walk across rows that the
-    # hardware prefetcher follows poorly (the copies stalled on memory for a
-    # quarter of a 1x1 weight gradient), so each tile prefetches its share
-    # of the next K block's rows (next_kc of them; 0: none), whole.
+    # samples on them and on the next copy).  An A read in place is asked
+    # for by the first panel's micro-kernel instead, a line of each row as
+    # it walks k (pf): with few panels even a share was a burst (1x1
+    # 256->64 @56 b8, 2 panels: 96 lines each, 6 % of the samples on the
+    # prefetch at 2 threads).  Measured in alternating processes: that
+    # layer 143-174 -> 194-203 GFLOPS on 2 threads, 1 thread sgemm 2048^3
+    # 89-93 -> 90-98, 4096x512x4096 87-93 -> 94-103, 64->256 unchanged.
+    # An A.T view's tiles read mr values from each of kc rows: a walk across
+    # rows that the hardware prefetcher follows poorly (the copies stalled
+    # on memory for a quarter of a 1x1 weight gradient), so each tile
+    # prefetches its share of the next K block's rows (next_kc of them; 0:
+    # none), whole.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
@@ -475,7 +479,6 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef bint copy_a = not kmajor_a and (csa != 1
                                          or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef bint in_place_a = not kmajor_a and not copy_a
-    cdef bint kernel_prefetch
     cdef const real* ap
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, pr0, pr1, ars = kc + A_PANEL_PAD if copy_a else rsa
@@ -493,15 +496,6 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         mr = share_start(ip + 1, mc, n_tiles) - ir
         next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
-        # Lines of the next slice per panel: asked for from here in a
-        # burst before each panel, past PREFETCH_BURST_LINES they filled the
-        # miss queue and stalled (1x1 256->64 @56 b8: 2 panels, 96 lines
-        # each; perf: 6 % of the samples on the prefetch at 2 threads);
-        # then the first panel's kernel asks for them as it goes (2 threads,
-        # alternating processes: 144-180 -> 196-215 GFLOPS; with 6 lines a
-        # panel, 1x1 64->256, the kernel's way lost 3-4 %).
-        kernel_prefetch = (in_place_a and next_rows * cdiv(kc * sizeof(real), 64)
-                           > PREFETCH_BURST_LINES * (jp1 - jp0))
         if kmajor_a and next_kc > 0:
             fc_prefetch_rows(a + (kc + share_start(ip, next_kc, n_tiles)) * csa,
                              share_start(ip + 1, next_kc, n_tiles)
@@ -523,10 +517,10 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 # This panel's share of the next slice's rows.
                 pr0 = ir + mr + share_start(jp - jp0, next_rows, jp1 - jp0)
                 pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
-                if kernel_prefetch:
-                    # The first panel's kernel asks for them as it goes;
-                    # a next slice one row taller than this one gets its
-                    # last row from here.
+                if in_place_a:
+                    # The first panel's kernel asks for them as it goes
+                    # (see above); a next slice one row taller than this
+                    # one gets its last row from here.
                     if jp == jp0:
                         pf = mr * rsa * sizeof(real)
                         if next_rows > mr:
