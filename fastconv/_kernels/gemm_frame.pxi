@@ -519,14 +519,15 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
                 if in_place_a:
                     # The first panel's kernel asks for them as it goes
-                    # (see above); a next slice one row taller than this
-                    # one gets its last row from here.
+                    # (see above; when the next slice is a row shorter, for
+                    # one row past it: a prefetch never faults); a next
+                    # slice one row taller gets its last row from here.
                     if jp == jp0:
                         pf = mr * rsa * sizeof(real)
                         if next_rows > mr:
                             fc_prefetch_rows(a + (ir + 2 * mr) * rsa, next_rows - mr,
                                              rsa * sizeof(real), kc * sizeof(real))
-                elif csa == 1:          # row-major A, read in place or copied
+                elif csa == 1:          # row-major A, copied (copy_a)
                     fc_prefetch_rows(a + pr0 * rsa, pr1 - pr0, rsa * sizeof(real),
                                      kc * sizeof(real))
                 if csc == 1 and not stream:
