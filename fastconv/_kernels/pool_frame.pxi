@@ -7,6 +7,28 @@
 from libc.stdint cimport uint16_t
 from libc.math cimport INFINITY
 
+cdef extern from *:
+    """
+    /* y[c] = max(y[c], src[c]) over n channels, a NaN in src winning (as
+       numpy's maximum propagates it).  In C for restrict: Cython's loop on
+       two real* it could not prove apart stayed scalar (ResNet-18's 3x3/2
+       pool at batch 1 took 0.26 ms of a 7 ms network on 2 Zen 5 cores). */
+    #define FC_DEFINE_MAX_INTO(SUFFIX, T)                                      \
+        static inline void fc_max_into_##SUFFIX(T *restrict y,                \
+                                                const T *restrict src,        \
+                                                ptrdiff_t n)                  \
+        {                                                                     \
+            for (ptrdiff_t c = 0; c < n; c++) {                               \
+                T v = src[c], cur = y[c];                                     \
+                y[c] = (v > cur || v != v) ? v : cur;                         \
+            }                                                                 \
+        }
+    FC_DEFINE_MAX_INTO(f32, float)
+    FC_DEFINE_MAX_INTO(f64, double)
+    """
+    void fc_max_into_f32(float* y, const float* src, Py_ssize_t n) noexcept nogil
+    void fc_max_into_f64(double* y, const double* src, Py_ssize_t n) noexcept nogil
+
 
 cdef void max_pool_row(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssize_t n,
                        Py_ssize_t oh, real* y, uint16_t* winner) noexcept nogil:
@@ -38,9 +60,10 @@ cdef void max_pool_row(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssi
                     continue
                 src = x + n * xs.n + ih * xs.h + iw * xs.w
                 if winner == NULL:
-                    for c in range(g.C):
-                        v = src[c]
-                        yp[c] = v if (v > yp[c] or v != v) else yp[c]
+                    if real is float:
+                        fc_max_into_f32(yp, src, g.C)
+                    else:
+                        fc_max_into_f64(yp, src, g.C)
                 else:
                     tap = kh * g.KW + kw
                     for c in range(g.C):
