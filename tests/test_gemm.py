@@ -295,11 +295,11 @@ def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_transposed_a_every_panel_width(isa, dtype):
-    # A.T is copied k-major, one copy function and one micro-kernel per
-    # tile height: M from 2 to 30 gives every tile height of every build
-    # (MR 6, 12, 14); K = 600 is three K blocks, the last one short, and
-    # each tile prefetches its share of the next block's rows.  Each row of
-    # A.T is followed by NaN, so a copy that reads past its slice poisons C.
+    # A.T is read in place, k-major, one micro-kernel per tile height: M
+    # from 2 to 30 gives every tile height of every build (MR 6, 12, 14);
+    # K = 600 is three K blocks, the last one short, and each tile
+    # prefetches its share of the next block's rows.  Each row of A.T is
+    # followed by NaN, so a kernel that reads past its slice poisons C.
     N = 33
     for K in (45, 600):
         for M in range(2, 31):

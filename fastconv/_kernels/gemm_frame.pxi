@@ -56,15 +56,13 @@ cdef extern from "micro_kernel.h":
                         float* dst) noexcept nogil
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
-    void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, const float* b, float* out,
+    void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t lda,
+                              const float* b, float* out,
                               Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
-    void fc_kmajor_kernel_f64(int mr, Py_ssize_t kc, const double* a, const double* b,
+    void fc_kmajor_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t lda,
+                              const double* b,
                               double* out, Py_ssize_t rso, int flags, const double* bias,
                               int act) noexcept nogil
-    void fc_copy_at_kmajor_f32(Py_ssize_t mr, Py_ssize_t kc, const float* a, Py_ssize_t csa,
-                               float* dst) noexcept nogil
-    void fc_copy_at_kmajor_f64(Py_ssize_t mr, Py_ssize_t kc, const double* a, Py_ssize_t csa,
-                               double* dst) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
     void fc_prefetch_rows(const void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
                           Py_ssize_t row_bytes) noexcept nogil
@@ -451,8 +449,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # (under 1 % of the work): rows a multiple of 2 KiB apart, which all fall
     # in a few L1 sets (8-way on the CPUs we target; measured 12 % slower at
     # N = 1024 and 2048), and non-unit strides both ways.  A.T views (unit
-    # row stride: a weight gradient's dy^T) are copied as they lie, k-major,
-    # for fc_kmajor_kernel.  acc and the copy live on this thread's stack.
+    # row stride: a weight gradient's dy^T) are read in place too, k-major,
+    # by fc_kmajor_kernel.  acc and the copy live on this thread's stack.
     #
     # While a slice is multiplied, the next slice of A and the next C tiles
     # are prefetched into L2 (see fc_prefetch_rows), the C tiles only when C
@@ -467,8 +465,9 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # layer 143-174 -> 194-203 GFLOPS on 2 threads, 1 thread sgemm 2048^3
     # 89-93 -> 90-98, 4096x512x4096 87-93 -> 94-103, 64->256 unchanged.
     # An A.T view's tiles read mr values from each of kc rows: a walk across
-    # rows that the hardware prefetcher follows poorly (the copies stalled
-    # on memory for a quarter of a 1x1 weight gradient), so each tile
+    # rows that the hardware prefetcher follows poorly (the k-major copies
+    # this frame once made stalled on memory for a quarter of a 1x1 weight
+    # gradient), so each tile
     # prefetches its share of the next K block's rows (next_kc of them; 0:
     # none), whole.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
@@ -501,13 +500,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                              share_start(ip + 1, next_kc, n_tiles)
                              - share_start(ip, next_kc, n_tiles),
                              csa * sizeof(real), mc * sizeof(real))
-        if kmajor_a:
-            if real is float:
-                fc_copy_at_kmajor_f32(mr, kc, ap, csa, panel)
-            else:
-                fc_copy_at_kmajor_f64(mr, kc, ap, csa, panel)
-            ap = panel
-        elif copy_a:
+        if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
         for jp in range(jp0, jp1):
@@ -543,14 +536,14 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
             if real is float:
                 if kmajor_a:
-                    fc_kmajor_kernel_f32(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
+                    fc_kmajor_kernel_f32(mr, kc, ap, csa, bpack + jr * ldb, out, rso, flags,
                                          out_bias, out_act)
                 else:
                     fc_micro_kernel_f32(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
                                         flags, out_bias, out_act)
             else:
                 if kmajor_a:
-                    fc_kmajor_kernel_f64(mr, kc, ap, bpack + jr * ldb, out, rso, flags,
+                    fc_kmajor_kernel_f64(mr, kc, ap, csa, bpack + jr * ldb, out, rso, flags,
                                          out_bias, out_act)
                 else:
                     fc_micro_kernel_f64(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,

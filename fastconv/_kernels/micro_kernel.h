@@ -33,16 +33,23 @@
 #endif
 
 /* out = A (R x K) @ B_panel (K x NR), finished in registers.  A's rows are
- * read in place, nruns runs of kc contiguous values each, but for A.T
- * views, which are copied (the second kind below).
+ * read in place: nruns runs of kc contiguous values each, or, for A.T
+ * views, R contiguous values a k (the second kind below).
  *
  * - A plain GEMM (fc_micro_kernel) has one run: row-major A, rows rsa
  *   apart.  Packing a row-major A into k-major panels would be a transpose
  *   that cost 6-20 % on conv-shaped products, while these in-place reads
  *   run as fast.
  * - An A.T view (fc_kmajor_kernel: a weight gradient's dy^T, whose R
- *   values of each k are contiguous) is copied as it lies into a k-major
- *   panel, R values a k, as BLIS packs A; R is the panel's row count.
+ *   values of each k are contiguous, lda values apart from one k to the
+ *   next) is read where it lies too.  Copying each R x kc slice into a
+ *   k-major panel first (as BLIS packs A) read a line or two of each of kc
+ *   rows to keep 48 bytes of them, and those loads stalled: on Zen 5, 1
+ *   thread, the copies took 26 % of a 1x1 weight gradient (dy^T @ x,
+ *   256 x 25088 by 25088 x 64), which ran 146-152 GFLOPS that way and
+ *   186-198 in place (256 x 128: 192 -> 220; 1024^3 217 -> 245; 2048 x 64
+ *   x 3136 146 -> 230; 64 x 2048 x 3136, 64 panels a slice, 153-157
+ *   either way).
  * - An implicit-GEMM convolution (fc_indirect_kernel) has one run per
  *   kernel tap or kernel row, and a table of row pointers: run t of row i
  *   starts at rows[t*R + i].  Each of the R output pixels points into the
@@ -160,7 +167,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 #define FC_PLAIN_ROW(t, i) (a0 + (i) * rsa)
 #define FC_TABLE_ROW(t, i) (rows[(t) * ROWS + (i)])
-/* A k-major panel (fc_kmajor_kernel): value (i, p) at a0[p*R + i]. */
+/* A k-major slice (fc_kmajor_kernel): value (i, p) at a0[p*lda + i]. */
 #define FC_KMAJOR_ROW(t, i) (a0 + (i))
 
 #define FC_DEFINE_ROWS_KERNELS(SUFFIX, T, R, NR)                                 \
@@ -175,18 +182,18 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T), 0)         \
     static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
-        ptrdiff_t kc, const T *restrict a0, const T *restrict b,                \
+        ptrdiff_t kc, const T *restrict a0, ptrdiff_t lda, const T *restrict b, \
         T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
         int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, (R) * sizeof(T), 0)
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, lda * sizeof(T), 0)
 
 #define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
     case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, pf, b, out, rso, flags, \
                                            bias, act); break;
 
 #define FC_KMAJOR_CASE(SUFFIX, T, R, NR)                                         \
-    case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, b, out, rso, flags, bias,   \
-                                            act); break;
+    case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, out, rso, flags,    \
+                                            bias, act); break;
 
 #define FC_INDIRECT_CASE(SUFFIX, T, R, NR)                                       \
     case R: fc_indirect_kernel_##SUFFIX##_##R(nruns, rows, kc, b, out, rso,     \
@@ -217,8 +224,8 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         switch (mr) { FC_FOR_ROWS(FC_INDIRECT_CASE, SUFFIX, T, NR) }            \
     }                                                                           \
     static inline void fc_kmajor_kernel_##SUFFIX(                               \
-        int mr, ptrdiff_t kc, const T *a0, const T *b, T *out, ptrdiff_t rso,   \
-        int flags, const T *bias, int act)                                      \
+        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t lda, const T *b, T *out,   \
+        ptrdiff_t rso, int flags, const T *bias, int act)                       \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_KMAJOR_CASE, SUFFIX, T, NR) }              \
     }
@@ -311,35 +318,6 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
         memcpy(dst + (q + 2) * ldd, &o, 32);
     }
 }
-
-/* dst[p*mr + i] = a[p*csa + i] for i < mr, p < kc: an mr x kc slice of a
- * transposed view (A.T: the output gradient in a weight gradient), whose
- * mr values of each k are contiguous, copied as the k-major panel
- * fc_kmajor_kernel reads.  Transposing the slice row-major for the plain
- * kernel instead (8x8 squares in registers) took a third of a 1x1 layer's
- * weight gradient (dy^T @ x, 64->256 @56 batch 8, 1 thread, perf); this
- * is a copy of mr values a k, one function per mr so that each copy has a
- * constant size and compiles to vector moves (a loop over pieces became a
- * call to memmove per k, slower than the transpose). */
-#define FC_COPY_AT_KMAJOR_ROWS(SUFFIX, T, R, NR)                                 \
-    static inline void fc_copy_at_kmajor_##SUFFIX##_##R(                        \
-        ptrdiff_t kc, const T *a, ptrdiff_t csa, T *restrict dst)               \
-    {                                                                           \
-        for (ptrdiff_t p = 0; p < kc; p++)                                      \
-            memcpy(dst + p * (R), a + p * csa, (R) * sizeof(T));                \
-    }
-
-#define FC_COPY_AT_KMAJOR_CASE(SUFFIX, T, R, NR)                                 \
-    case R: fc_copy_at_kmajor_##SUFFIX##_##R(kc, a, csa, dst); break;
-
-#define FC_DEFINE_COPY_AT_KMAJOR(SUFFIX, T)                                     \
-    FC_FOR_ROWS(FC_COPY_AT_KMAJOR_ROWS, SUFFIX, T, 0)                           \
-    static inline void fc_copy_at_kmajor_##SUFFIX(ptrdiff_t mr, ptrdiff_t kc,  \
-                                                  const T *a, ptrdiff_t csa,    \
-                                                  T *restrict dst)              \
-    {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_COPY_AT_KMAJOR_CASE, SUFFIX, T, 0) }       \
-    }
 
 /* Pack NR columns of B = W^T, where W's rows (B's columns) are contiguous:
  * dst[p*NR + j] = b[j*csb + p] for j < nr, zero for nr <= j < NR.  Conv
@@ -523,8 +501,6 @@ FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
 FC_DEFINE_TRANSPOSE_BLOCK(f32, float)
 FC_DEFINE_TRANSPOSE_BLOCK(f64, double)
-FC_DEFINE_COPY_AT_KMAJOR(f32, float)
-FC_DEFINE_COPY_AT_KMAJOR(f64, double)
 FC_DEFINE_DOT(f64, double)
 FC_DEFINE_STREAM_ROW(f32, float, int)
 FC_DEFINE_STREAM_ROW(f64, double, long long)
