@@ -662,8 +662,8 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             const real* patches, Py_ssize_t ld,
                             real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
     # acc[:, j0:j1] += dy[0:rows, :]^T @ patches[0:rows, j0:j1]; one thread.
-    # A = dy^T is read through its strides (macro_kernel copies its panels k-major),
-    # B = the patch columns, packed here KC rows at a time.
+    # A = dy^T is read in place (k-major, by fc_kmajor_kernel), B = the
+    # patch columns, packed here KC rows at a time.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = S_KC if real is float else D_KC
     cdef Py_ssize_t ncols = j1 - j0, n_panels = cdiv(j1 - j0, NR)
