@@ -227,10 +227,28 @@ cdef Py_ssize_t uniform_k_blocks(Py_ssize_t K, Py_ssize_t kc_blk, KBlock* blocks
     return n
 
 
+cdef enum:
+    # The forward's k-blocks (float32): about 576 deep, a 3x3 layer's 9 taps
+    # of 64 channels in one block, 3 of 128, 1 of 512.  Measured on Zen 5
+    # against 256 (in one process, alternating; best GFLOPS of 1 / 2
+    # threads): 3x3/2 64->128 @56 b8 242 -> 254 / 447 -> 487, b1 252 -> 263 /
+    # 461 -> 482, 3x3/2 128->256 @28 b8 250 -> 259 / 475 -> 491, 3x3 64->64
+    # @56 b8 (implicit) 239 -> 256 / 455 -> 492, 512->512 @7 b1 201 -> 207 /
+    # 398 -> 408; the AVX2 build +0-3 %.  Fewer blocks: each output tile is
+    # loaded and stored, and its row table built, once a block.  A tile's A
+    # runs (12 pixels x 576 values, 27 KiB) still fit a 32 KiB L1; 768
+    # (36 KiB) did as well on Zen 5's 48 KiB but would not there.
+    CONV_KC_F32 = 576
+
+
+cdef inline Py_ssize_t conv_kc(real dtype_tag) noexcept nogil:
+    return CONV_KC_F32 if real is float else D_KC
+
+
 cdef Py_ssize_t conv_k_blocks(real dtype_tag, const ConvGeom* g, KBlock* blocks) noexcept nogil:
     # Blocks of whole taps, about KC deep; a tap deeper than KC is cut into
     # equal channel ranges.  blocks has room for KH*KW*cdiv(C, KC) entries.
-    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t KC = conv_kc(<real>0)
     cdef Py_ssize_t T = g.KH * g.KW, C = g.C
     cdef Py_ssize_t n = 0, b, t, tb, ncb, cb
     if C <= KC:
@@ -560,7 +578,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # (multiply_pixel_rows).
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t KC = conv_kc(<real>0)
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g), T = g.KH * g.KW
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
     cdef Py_ssize_t kc_unused, nc_blk
@@ -930,7 +948,7 @@ cdef Py_ssize_t conv_weight_layout(real dtype_tag, Py_ssize_t KH, Py_ssize_t KW,
                                    Py_ssize_t OC, KBlock** blocks, Py_ssize_t* nc_blk) except -1:
     # The k-blocks (malloc'ed into *blocks, the caller frees) and block
     # width of the forward's packed weights; returns the number of k-blocks.
-    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t KC = conv_kc(<real>0)
     cdef ConvGeom g
     g.KH, g.KW, g.C = KH, KW, C
     cdef Py_ssize_t kc_unused
