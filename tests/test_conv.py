@@ -560,7 +560,7 @@ def test_stride_larger_than_kernel_leaves_skipped_inputs_with_zero_gradient():
     (1, 17, 16, 6, 9, (2, 2), (2, 2), (1, 1), ((0, 0), (0, 0))),     # patchify 2x2/2
     (2, 10, 12, 3, 5, (3, 2), (3, 2), (1, 1), ((1, 0), (0, 1))),     # padded, asymmetric
     (1, 15, 14, 4, 6, (2, 2), (3, 3), (2, 2), ((0, 2), (1, 0))),     # dilated, extent 3 = stride
-    (1, 9, 9, 300, 4, (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),     # C beyond one k-block
+    (1, 9, 9, 500, 4, (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),     # C beyond one k-block
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_disjoint_windows_write_every_input_gradient_pixel(isa, N, H, W, C, OC, k, s, d, pads,
@@ -978,7 +978,7 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
 # ------------------------------------------------------- implicit GEMM paths
 
 @pytest.mark.parametrize("N, H, W, C, OC, k, s, d, p", [
-    (2, 9, 10, 300, 40, 3, 1, 1, 1),    # a tap deeper than KC: channel-split k-blocks
+    (2, 9, 10, 700, 40, 3, 1, 1, 1),    # a tap deeper than KC: channel-split k-blocks
     (1, 12, 12, 600, 70, 3, 2, 1, 1),   # the same, strided
     (2, 8, 9, 1024, 33, 3, 1, 1, 1),    # pixels 4 KiB apart: patch-row path throughout
     (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
@@ -1187,7 +1187,7 @@ def test_unknown_activation_is_refused(activation):
 @pytest.mark.parametrize("x_shape, w_shape, kwargs", [
     ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1, activation="relu")),
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2, padding_mode="reflect", padding=1)),
-    ((1, 6, 6, 300), (40, 3, 3, 300), dict(padding="same")),          # channel-split k-blocks
+    ((1, 6, 6, 700), (40, 3, 3, 700), dict(padding="same")),          # channel-split k-blocks
     # one chunk, output channels split between threads: per call each
     # thread packs its own share of every block (the last panel partial)
     ((1, 7, 7, 300), (200, 3, 3, 300), dict(padding=1)),

@@ -213,7 +213,7 @@ BUGGY_KERNELS = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_checker_catches_buggy_kernels(isa, dtype, bug, monkeypatch):
     """A kernel with a plausible bug, called through sgemm/dgemm, fails check_gemm."""
-    n = 300                                   # two K blocks, edge tiles in M and N
+    n = 500                                   # two K blocks, edge tiles in M and N
     rng = rng_for("buggy", isa, dtype_id(dtype), bug)
     a, b, c = randn(rng, (n, n), dtype), randn(rng, (n, n), dtype), randn(rng, (n, n), dtype)
     k = _dispatch.kernels
@@ -269,8 +269,8 @@ def test_1024_square(isa, dtype):
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
-    # 37 x 45 x 300: partial micro-tiles in M and N, two K blocks.
-    M, N, K = 37, 45, 300
+    # 37 x 45 x 500: partial micro-tiles in M and N, two K blocks.
+    M, N, K = 37, 45, 500
     rng = rng_for("combo", isa, dtype_id(dtype), trans_a, trans_b, alpha, beta, c_mode)
     a = randn(rng, (K, M) if trans_a else (M, K), dtype)
     b = randn(rng, (N, K) if trans_b else (K, N), dtype)
@@ -297,7 +297,7 @@ def test_trans_alpha_beta_c(isa, dtype, trans_a, trans_b, alpha, beta, c_mode):
 def test_transposed_a_every_panel_width(isa, dtype):
     # A.T is read in place, k-major, one micro-kernel per tile height: M
     # from 2 to 30 gives every tile height of every build (MR 6, 12, 14);
-    # K = 600 is three K blocks, the last one short, and each tile
+    # K = 600 is two or three K blocks (KC 384 or 256), and each tile
     # prefetches its share of the next block's rows.  Each row of A.T is
     # followed by NaN, so a kernel that reads past its slice poisons C.
     N = 33
@@ -507,13 +507,13 @@ def test_blocking_edges(isa_name, dtype, shape, b_packing):
 
 @pytest.mark.parametrize("activation", ["none", "relu", "relu6"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("M, N, K", [(50, 64, 30), (37, 70, 200), (13, 48, 5), (40, 33, 300)],
+@pytest.mark.parametrize("M, N, K", [(50, 64, 30), (37, 70, 200), (13, 48, 5), (40, 33, 500)],
                          ids=str)
 def test_streamed_c_epilogue(isa, dtype, M, N, K, activation):
     """C stored with non-temporal stores (threshold forced to 0) gets the
     same bias and fused relu/relu6 as plain stores, NaN kept, for a 64-byte
     aligned C (full tiles stream, edge tiles do not) and for a C whose rows
-    are not vector-aligned (nothing streams).  K = 300 is two K blocks,
+    are not vector-aligned (nothing streams).  K = 500 is two K blocks,
     which never stream."""
     rng = rng_for("streamed", isa, dtype_id(dtype), M, N, K, activation)
     a, b, bias = randn(rng, (M, K), dtype), randn(rng, (K, N), dtype), randn(rng, (N,), dtype)

@@ -78,7 +78,7 @@ CASES = [
     ((1, 2, 2, 4, 6), ((0, 5), (0, 5)), 1),       # tiles whose window is all padding
     ((2, 9, 10, 24, 20), 1, 2),                   # groups: per-group column slices
     ((1, 30, 30, 64, 48), 1, 1),
-    ((1, 6, 6, 300, 40), 1, 1),                   # C over one GEMM k-block (KC = 256)
+    ((1, 6, 6, 400, 40), 1, 1),                   # C over one GEMM k-block (KC 256, 384)
     ((1, 4, 4, 8, 300), 1, 1),                    # OC over one packed block (NC = 256)
 ]
 
@@ -282,14 +282,15 @@ def test_streamed_filter_transform_equals_stored(isa, dtype, OC, request, tile):
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("C, OC", [(20, 48), (300, 37), (16, 130), (20, 300)])
+@pytest.mark.parametrize("C, OC", [(20, 48), (700, 37), (16, 130), (20, 700)])
 def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     """The fused path (filters transformed a panel of output channels and a
     k-block at a time) against U packed up front, for the forward and for
     the input gradient (the flipped weight: output and input channels
-    swap); 300 input channels span several k-blocks, OC = 37 and 130 end
+    swap); 700 input channels span several k-blocks (2 of 350 packed up
+    front with a KC of 384, 3 or 6 fused), OC = 37 and 130 end
     in a partial panel.  Their k-blocks differ, so sums agree to rounding;
-    with 300 input channels they differ in some last bit, which shows the
+    with 700 input channels they differ in some last bit, which shows the
     fused path ran."""
     rng = np.random.default_rng(C + OC)
     x = rng.standard_normal((1, 9, 10, C)).astype(dtype)
@@ -316,7 +317,7 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     for got, expected, depth in zip(results["fused"], results["packed"], (C, OC)):
         scale = np.abs(expected).max()
         np.testing.assert_allclose(got, expected, rtol=0, atol=rtol * scale)
-        if depth == 300:
+        if depth == 700:
             assert not np.array_equal(got, expected), "the fused path did not run"
 
 

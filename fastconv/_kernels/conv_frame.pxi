@@ -239,6 +239,10 @@ cdef enum:
     # runs (12 pixels x 576 values, 27 KiB) still fit a 32 KiB L1; 768
     # (36 KiB) did as well on Zen 5's 48 KiB but would not there.
     CONV_KC_F32 = 576
+    # The weight gradient's blocks of patch rows (float32): each thread packs
+    # KC x K of them (590 KiB at a 3x3 64-channel layer's K = 576) next to
+    # its chunk of patch rows in L2; 256 whatever the build's GEMM KC.
+    GRAD_W_KC_F32 = 256
 
 
 cdef inline Py_ssize_t conv_kc(real dtype_tag) noexcept nogil:
@@ -683,7 +687,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     # A = dy^T is read in place (k-major, by fc_kmajor_kernel), B = the
     # patch columns, packed here KC rows at a time.
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t ncols = j1 - j0, n_panels = cdiv(j1 - j0, NR)
     cdef Py_ssize_t pb, pc, kc
     for pb in range(cdiv(rows, KC)):
@@ -723,7 +727,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     # chunk.  A 1x1 layer's patch rows are the image's pixels, packed
     # straight from it (patches_are_image).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t KC = S_KC if real is float else D_KC
+    cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, GRAD_W_MIN_ROWS)
