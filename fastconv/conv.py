@@ -263,8 +263,10 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       channels in and out per group, see _is_narrow_grouped): kernels
       vectorised over channels;
     - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is
-      (auto takes implicit instead when a group has more than twice as many
-      input channels as the image has pixels);
+      (auto takes it for groups of at most 64 output channels, and implicit
+      GEMM, which reads the image in place too, for wider ones and where a
+      group has more than twice as many input channels as the image has
+      pixels);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
       prepacked filters and few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer;
@@ -280,15 +282,23 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
         if _is_depthwise(groups, C) or _is_narrow_grouped(groups, C, OC, geo.kernel):
             return "direct"
         if _is_pointwise(geo, in_hw):
-            # Where the weights outweigh the image, implicit GEMM runs faster:
-            # with one chunk of pixels each thread packs its share of the
-            # weights a block at a time and multiplies it from L2 (gemm1x1
-            # packs all of B first), and prepacked weights it does not pack
-            # at all.  Measured per call, 2 threads: 2048->512 @7 b1 1.02-1.12x,
-            # 1024->2048 @7 b1 1.09-1.34x, 2048->512 @7 b8 (5.2 channels a
-            # pixel) 1.06x; 256->1024 @14 b1 (1.3) is 8 % slower that way.
-            # Prepacked: 2048->512 @7 b1 0.74 -> 0.58 ms.
-            if C // groups > 2 * N * in_hw[0] * in_hw[1]:
+            # Both read the image in place.  Implicit GEMM measured faster
+            # wherever a group has more than 64 output channels (Zen 5, 2
+            # threads, in one process alternating, best GFLOPS gemm1x1 ->
+            # implicit): b1 64->256 @56 414 -> 446, 512->128 @28 442 -> 477,
+            # 256->1024 @14 450 -> 463, 512->2048 @7 360 -> 403; b8 512->128
+            # @28 436 -> 488, 512->2048 @7 453 -> 507, 64->256 @56 478 -> 489,
+            # 128->512 @28, 256->1024 and 1024->256 @14 tied; its k-blocks
+            # are deeper (_kernels conv_frame CONV_KC_F32), and with one
+            # chunk of pixels each thread packs its share of the weights a
+            # block at a time and multiplies it from L2.  With 64 output
+            # channels (two micro-panels) the GEMM frame, which asks for its
+            # next A slice from inside the micro-kernel, is faster: 256->64
+            # @56 b1 445 vs 467, b8 441 vs 496 — unless the weights outweigh
+            # the image (more than two input channels a pixel; prepacked
+            # implicit GEMM then packs nothing: 2048->512 @7 b1 0.74 -> 0.58
+            # ms on Zen 4).
+            if OC // groups > 64 or C // groups > 2 * N * in_hw[0] * in_hw[1]:
                 return "implicit"
             return "gemm1x1"
         if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):

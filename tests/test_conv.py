@@ -1220,9 +1220,11 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
     (1, 7, 2048, 512, False, "implicit"),    # 2048 > 2 x 49 pixels
     (1, 7, 2048, 512, True, "implicit"),
     (8, 7, 2048, 512, True, "implicit"),     # 2048 > 2 x 392
-    (1, 14, 256, 1024, False, "gemm1x1"),    # 256 < 2 x 196: one GEMM on the image
-    (1, 14, 256, 1024, True, "gemm1x1"),
-    (8, 56, 256, 64, True, "gemm1x1"),
+    (1, 14, 256, 1024, False, "implicit"),   # over 64 output channels
+    (8, 56, 64, 256, True, "implicit"),
+    (8, 56, 256, 64, True, "gemm1x1"),       # 64 output channels: the GEMM frame
+    (1, 14, 256, 64, False, "gemm1x1"),      # 256 < 2 x 196
+    (1, 7, 2048, 64, False, "implicit"),     # 2048 > 2 x 49 pixels
 ])
 def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
     geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, H))
