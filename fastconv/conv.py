@@ -263,9 +263,10 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       channels in and out per group, see _is_narrow_grouped): kernels
       vectorised over channels;
     - "gemm1x1": 1x1, stride 1, unpadded: one GEMM on the image as it is
-      (auto takes it for groups of at most 64 output channels, and implicit
-      GEMM, which reads the image in place too, for wider ones and where a
-      group has more than twice as many input channels as the image has
+      (auto takes implicit GEMM, which reads the image in place too, for
+      groups of more than 64 output channels on images of at most 4096
+      pixels or with more input channels than the GEMM's k-block, and where
+      a group has more than twice as many input channels as the image has
       pixels);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
@@ -282,23 +283,29 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
         if _is_depthwise(groups, C) or _is_narrow_grouped(groups, C, OC, geo.kernel):
             return "direct"
         if _is_pointwise(geo, in_hw):
-            # Both read the image in place.  Implicit GEMM measured faster
-            # wherever a group has more than 64 output channels (Zen 5, 2
-            # threads, in one process alternating, best GFLOPS gemm1x1 ->
-            # implicit): b1 64->256 @56 414 -> 446, 512->128 @28 442 -> 477,
-            # 256->1024 @14 450 -> 463, 512->2048 @7 360 -> 403; b8 512->128
-            # @28 436 -> 488, 512->2048 @7 453 -> 507, 64->256 @56 478 -> 489,
-            # 128->512 @28, 256->1024 and 1024->256 @14 tied; its k-blocks
-            # are deeper (_kernels conv_frame CONV_KC_F32), and with one
-            # chunk of pixels each thread packs its share of the weights a
-            # block at a time and multiplies it from L2.  With 64 output
-            # channels (two micro-panels) the GEMM frame, which asks for its
-            # next A slice from inside the micro-kernel, is faster: 256->64
-            # @56 b1 445 vs 467, b8 441 vs 496 — unless the weights outweigh
-            # the image (more than two input channels a pixel; prepacked
-            # implicit GEMM then packs nothing: 2048->512 @7 b1 0.74 -> 0.58
-            # ms on Zen 4).
-            if OC // groups > 64 or C // groups > 2 * N * in_hw[0] * in_hw[1]:
+            # Both read the image in place; which is faster was measured (Zen
+            # 5, 2 threads, fresh processes, best/median GFLOPS implicit vs
+            # gemm1x1).  Implicit GEMM, for groups of more than 64 output
+            # channels, on small images: b1 64->256 @56 420/417 vs 396/392,
+            # 512->128 @28 409/405 vs 383/379, 256->1024 @14 381/368 vs
+            # 323/309, 512->2048 @7 387/382 vs 350/343 (at b8 256->1024 and
+            # 1024->256 @14 tied); and with more input channels than the
+            # GEMM's k-block (its own k-blocks are deeper, _kernels
+            # conv_frame CONV_KC_F32): b8 512->128 @28 466/455 vs 410/400,
+            # 512->2048 @7 488/478 vs 436/425.  Not on large images with few
+            # input channels: b8 128->512 @28 482/471 vs 492/483, and
+            # 64->256 @56 300-390 vs 480-500 median in most processes (one
+            # process measured them equal; the cause was not found).  With
+            # 64 output channels (two micro-panels) the GEMM frame, which
+            # asks for its next A slice from inside the micro-kernel, is
+            # faster: 256->64 @56 b1 445 vs 467, b8 441 vs 496.  And where
+            # the weights outweigh the image (more than two input channels a
+            # pixel) implicit GEMM packs them a block at a time per thread,
+            # or not at all once prepacked (2048->512 @7 b1 0.74 -> 0.58 ms
+            # on Zen 4).
+            Cg, OCg, pixels = C // groups, OC // groups, N * in_hw[0] * in_hw[1]
+            gemm_kc = _dispatch.kernels.BLOCKING_F32["KC"]
+            if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
             return "gemm1x1"
         if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):

@@ -1220,8 +1220,10 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
     (1, 7, 2048, 512, False, "implicit"),    # 2048 > 2 x 49 pixels
     (1, 7, 2048, 512, True, "implicit"),
     (8, 7, 2048, 512, True, "implicit"),     # 2048 > 2 x 392
-    (1, 14, 256, 1024, False, "implicit"),   # over 64 output channels
-    (8, 56, 64, 256, True, "implicit"),
+    (1, 14, 256, 1024, False, "implicit"),   # over 64 output channels, 196 pixels
+    (1, 56, 64, 256, True, "implicit"),      # 3136 pixels
+    (8, 56, 64, 256, True, "gemm1x1"),       # 25088 pixels, 64 input channels
+    (8, 28, 512, 128, False, "implicit"),    # 512 input channels: over one GEMM k-block
     (8, 56, 256, 64, True, "gemm1x1"),       # 64 output channels: the GEMM frame
     (1, 14, 256, 64, False, "gemm1x1"),      # 256 < 2 x 196
     (1, 7, 2048, 64, False, "implicit"),     # 2048 > 2 x 49 pixels

@@ -237,7 +237,9 @@ cdef enum:
     # 398 -> 408; the AVX2 build +0-3 %.  Fewer blocks: each output tile is
     # loaded and stored, and its row table built, once a block.  A tile's A
     # runs (12 pixels x 576 values, 27 KiB) still fit a 32 KiB L1; 768
-    # (36 KiB) did as well on Zen 5's 48 KiB but would not there.
+    # (36 KiB) measured the same or better on Zen 5's 48 KiB L1 (3x3/2
+    # 256->512 @14 b8, 2 threads, 476 -> 501 where 576 gave 487) but would
+    # overflow a 32 KiB one.
     CONV_KC_F32 = 576
     # The weight gradient's blocks of patch rows (float32): each thread packs
     # KC x K of them (590 KiB at a 3x3 64-channel layer's K = 576) next to
