@@ -243,7 +243,9 @@ cdef enum:
     CONV_KC_F32 = 576
     # The weight gradient's blocks of patch rows (float32): each thread packs
     # KC x K of them (590 KiB at a 3x3 64-channel layer's K = 576) next to
-    # its chunk of patch rows in L2; 256 whatever the build's GEMM KC.
+    # its chunk of patch rows in L2.  Kept at 256, what it was before the
+    # AVX-512 GEMM's KC became 384: 384 would make that 885 KiB of a 1 MiB
+    # L2, and was not measured.
     GRAD_W_KC_F32 = 256
 
 
