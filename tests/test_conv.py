@@ -1034,6 +1034,43 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     assert_close(y, ref.astype(np.float64), np.float32, w[0].size, "output")
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("N, H, C, OC, k, s, p", [
+    # (each > 4 MFLOP, so that 2 threads share it)
+    # patch rows >= 2x patch columns: the patches on the left of the GEMM
+    (4, 24, 16, 20, 3, 1, 1),           # 2304 rows of 144 columns
+    (4, 40, 3, 13, 7, 2, 3),            # RGB stem, 147 columns
+    (4, 24, 70, 16, 1, 1, 0),           # 1x1: the image read in place
+    # fewer patch rows: dy on the left
+    (1, 8, 96, 48, 3, 1, 1),            # 64 rows of 864 columns
+    (2, 8, 600, 40, 1, 1, 0),           # 1x1, 128 rows of 600 columns
+])
+@pytest.mark.parametrize("chunks", ["default", "one panel"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_in_either_operand_order(isa, N, H, C, OC, k, s, p, chunks, threads,
+                                                 dtype, request):
+    """The weight gradient puts whichever of dy and the patch matrix fits
+    the GEMM better on its left (conv_frame grad_weight_patches_left); both
+    orders, with threads splitting chunks of patch rows (one panel per
+    chunk) or the patch columns (one chunk), must agree with torch."""
+    if chunks == "one panel":
+        one_panel_chunks(request)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(threads)
+    rng = np.random.default_rng(C * OC + k)
+    x = rng.standard_normal((N, H, H, C)).astype(dtype)
+    w = rng.standard_normal((OC, k, k, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    OH = (H + 2 * p - k) // s + 1
+    dy = rng.standard_normal((N, OH, OH, OC)).astype(dtype)
+    _, _, ref_gw, _ = torch_grads(x, w, b, dy, stride=s, padding=p)
+    with fastconv._dispatch.use_isa(isa):
+        gw = conv2d_backward(dy, x, w, s, p, output_mask=(False, True, False))[1]
+    assert_close(gw, ref_gw, dtype, N * OH * OH, "grad_weight")
+
+
 # ------------------------------------------------- algorithms and epilogues
 
 ALGORITHM_CASES = [

@@ -685,21 +685,51 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
 
 cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ssize_t j1,
                             const real* dy, Py_ssize_t rsdy,
-                            const real* patches, Py_ssize_t ld,
+                            const real* patches, Py_ssize_t ld, bint patches_left,
                             real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
-    # acc[:, j0:j1] += dy[0:rows, :]^T @ patches[0:rows, j0:j1]; one thread.
-    # A = dy^T is read in place (k-major, by fc_kmajor_kernel), B = the
-    # patch columns, packed here KC rows at a time.
+    # One thread's product over rows 0..rows of a chunk, for the patch
+    # columns j0..j1, KC rows at a time; either orientation reads its left
+    # operand in place, k-major (fc_kmajor_kernel), and packs the right one:
+    #   dy on the left:      acc[:, j0:j1] += dy^T @ patches[:, j0:j1]   (acc OC x K)
+    #   patches on the left: acc[j0:j1, :] += patches[:, j0:j1]^T @ dy   (acc K x OC)
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
-    cdef Py_ssize_t ncols = j1 - j0, n_panels = cdiv(j1 - j0, NR)
-    cdef Py_ssize_t pb, pc, kc
+    cdef Py_ssize_t pb, pc, kc, next_kc
     for pb in range(cdiv(rows, KC)):
         pc = pb * KC
         kc = min(KC, rows - pc)
-        pack_b_rows(kc, ncols, patches + pc * ld + j0, ld, bpack)
-        macro_kernel(OC, ncols, kc, 0, n_panels, dy + pc * rsdy, 1, rsdy, bpack,
-                     acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, min(KC, rows - pc - kc))
+        next_kc = min(KC, rows - pc - kc)
+        if patches_left:
+            pack_b_rows(kc, OC, dy + pc * rsdy, rsdy, bpack)
+            macro_kernel(j1 - j0, OC, kc, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld, bpack,
+                         acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
+        else:
+            pack_b_rows(kc, j1 - j0, patches + pc * ld + j0, ld, bpack)
+            macro_kernel(OC, j1 - j0, kc, 0, cdiv(j1 - j0, NR), dy + pc * rsdy, 1, rsdy, bpack,
+                         acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
+
+
+cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K) noexcept nogil:
+    # Which operand of the weight gradient's GEMM goes on the left (is read
+    # in place, tiled MR rows at a time) and which is packed: the patches,
+    # once there are at least twice as many patch rows (pixels) as patch
+    # columns.  Then only dy's OC columns are packed, not the K patch
+    # columns, and the result's rows are the K patch columns, which MR
+    # divides better than a small OC (64 = 5 x 12 + 4 on AVX-512).  Measured
+    # in one process alternating (Zen 5, float32, AVX-512, batch 8 unless
+    # said, 2 / 1 threads, best GFLOPS dy-left -> patches-left): 3x3 64->64
+    # @56 351 -> 402 / 170 -> 193, batch 1 275 -> 348 / 187 -> 204, 3x3/2
+    # 64->128 @56 326 -> 367, 3x3 128->128 @28 357 -> 410 / 196 -> 218,
+    # 128->64 @28 297 -> 373, 192->192 @28 373 -> 424, 7x7/2 3->64 @224 184
+    # -> 252 / 115 -> 127, 1x1 256->64 @56 272 -> 428 / 170 -> 179, 512->128
+    # @28 353 -> 431; also float64 (3x3 64->64 @56 158 -> 185) and AVX2
+    # (141 -> 202).  With fewer pixels the patches-left product lost: 3x3
+    # 512->512 @7 359 -> 238, batch 1 190 -> 55, 256->256 @14 batch 1 326 ->
+    # 184, 1x1 2048->512 @7 356 -> 239 (one tile's k-major reads of patch
+    # rows that far apart, from a chunk past L2, stall); near the rule's
+    # edge the two tied within a few % (3x3 256->256 @14, 1x1 64->256 @56,
+    # 128->512 @28).
+    return M >= 2 * K
 
 
 cdef inline bint patches_are_image(const ConvGeom* g, ImageStrides xs) noexcept nogil:
@@ -725,11 +755,12 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                                 real* dw, Py_ssize_t rsdw,
                                 int max_threads) noexcept nogil:
     # dw[oc, k] = sum_m dy[m, oc] * patches[m, k], chunk by chunk of patch
-    # rows.  Threads split the chunks, each into its own OC x K accumulator,
+    # rows.  Threads split the chunks, each into its own OC x K accumulator
+    # (K x OC with the patches on the left, grad_weight_patches_left),
     # summed at the end; when chunks are too few to share (small images,
     # batch 1), threads split the columns of dw instead and each walks every
-    # chunk.  A 1x1 layer's patch rows are the image's pixels, packed
-    # straight from it (patches_are_image).
+    # chunk.  A 1x1 layer's patch rows are the image's pixels, read (or
+    # packed) straight from it (patches_are_image).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
@@ -743,7 +774,11 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         # is a 3:2 split).
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
-    cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(K, NR) * NR
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
+    cdef bint left = grad_weight_patches_left(M, K)
+    # acc: OC x K, or K x OC with the patches on the left.
+    cdef Py_ssize_t acc_ld = OC if left else K
+    cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(OC if left else K, NR) * NR
     cdef Py_ssize_t n_acc = nt if split_chunks else 1
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef real* bpacks = <real*>aligned_malloc(nt * bpack_size * sizeof(real))
@@ -754,7 +789,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         aligned_free(accs)
         return -1
     memset(accs, 0, n_acc * OC * K * sizeof(real))
-    cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc
+    cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc, step
     cdef real* acc
     cdef const real* patches
     cdef bint in_place = patches_are_image(g, xs)
@@ -767,28 +802,37 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
             m0 = chunk * R
             m1 = min(M, m0 + R)
             patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + tid * R * ld, ld)
-            grad_weight_chunk(m1 - m0, OC, 0, K, dy + m0 * rsdy, rsdy,
-                              patches, ldp, bpacks + tid * bpack_size,
-                              accs + tid * OC * K, K)
+            grad_weight_chunk(m1 - m0, OC, 0, K, dy + m0 * rsdy, rsdy, patches, ldp, left,
+                              bpacks + tid * bpack_size, accs + tid * OC * K, acc_ld)
     else:
         for t in prange(nt, num_threads=nt, schedule="static"):
-            # Whole NR panels of dw's columns per thread.
-            j0 = t * cdiv(K, NR) // nt * NR
-            j1 = min(K, (t + 1) * cdiv(K, NR) // nt * NR)
+            # Whole micro-tiles of the patch columns per thread: MR rows of
+            # the result, or NR panels of its columns.
+            step = MR if left else NR
+            j0 = t * cdiv(K, step) // nt * step
+            j1 = min(K, (t + 1) * cdiv(K, step) // nt * step)
             if j1 > j0:
                 for chunk in range(n_chunks):
                     m0 = chunk * R
                     m1 = min(M, m0 + R)
                     patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + t * R * ld, ld)
-                    grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy,
-                                      patches, ldp, bpacks + t * bpack_size, accs, K)
+                    grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy, patches, ldp,
+                                      left, bpacks + t * bpack_size, accs, acc_ld)
     for oc in prange(OC, num_threads=nt, schedule="static"):
-        for i in range(K):
-            dw[oc * rsdw + i] = accs[oc * K + i]
-        for t in range(1, n_acc):
-            acc = accs + t * OC * K + oc * K
+        if left:
             for i in range(K):
-                dw[oc * rsdw + i] += acc[i]
+                dw[oc * rsdw + i] = accs[i * OC + oc]
+            for t in range(1, n_acc):
+                acc = accs + t * OC * K + oc
+                for i in range(K):
+                    dw[oc * rsdw + i] += acc[i * OC]
+        else:
+            for i in range(K):
+                dw[oc * rsdw + i] = accs[oc * K + i]
+            for t in range(1, n_acc):
+                acc = accs + t * OC * K + oc * K
+                for i in range(K):
+                    dw[oc * rsdw + i] += acc[i]
     aligned_free(bufs)
     aligned_free(bpacks)
     aligned_free(accs)
