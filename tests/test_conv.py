@@ -985,7 +985,8 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
     # Batch 1, an odd number of pixel chunks: the threads split the output
-    # channels, over one chunk of every pixel (patch rows <= 2 MiB) ...
+    # channels (one thread: all of them), over one chunk of every pixel
+    # (patch rows <= 2 MiB), packing the weights a block at a time ...
     (1, 11, 11, 256, 64, 3, 1, 1, 1),
     # ... or, above that, each thread walking every chunk for its share.
     (1, 10, 11, 600, 64, 3, 1, 1, 1),
@@ -995,19 +996,24 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (2, 32, 33, 288, 24, 1, 2, 1, 0),
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype, threads, request):
     """Interior pixels are multiplied straight from the image, border pixels
-    through built patch rows; both, across every k-block shape, must agree
-    with torch."""
+    through built patch rows; both, across every k-block shape, on one
+    thread or two, must agree with torch."""
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(threads)
     rng = np.random.default_rng(C + OC)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, k, k, C)).astype(dtype)
     b = rng.standard_normal(OC).astype(dtype)
     kwargs = dict(stride=s, dilation=d, padding=p)
-    y = conv2d(x, w, b, **kwargs)
-    dy = rng.standard_normal(y.shape).astype(dtype)
-    ref_y, _, _, _ = torch_grads(x, w, b, dy, **kwargs)
-    assert_close(y, ref_y, dtype, k * k * C, "output")
+    y = conv2d(x, w, b, **kwargs, algorithm="implicit")
+    ref_y = F.conv2d(to_torch(x, "NHWC"), torch.from_numpy(
+        np.ascontiguousarray(w.transpose(0, 3, 1, 2), np.float64)),
+        torch.from_numpy(b.astype(np.float64)), **kwargs)
+    assert_close(y, from_torch(ref_y, "NHWC"), dtype, k * k * C, "output")
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)

@@ -617,9 +617,10 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # panels) one thread waited ~10 % of it (3x3/2 64->128 @56 b1, perf).
     n_chunks = cdiv(n_chunks, n_ic) * n_ic
     R = cdiv(m_panels, n_chunks) * MR
-    if n_js > 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
+    if n_ic == 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
         # Each chunk streams the thread's share of the packed weights from
-        # L3 or memory once: with the columns split, one chunk of every
+        # L3 or memory once: when the threads do not split the pixels (they
+        # split the columns, or there is one thread), one chunk of every
         # pixel streams it once in all (512->512 @7: 4.7 MiB a thread).
         R = m_panels * MR
         n_chunks = 1
