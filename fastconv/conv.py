@@ -444,9 +444,12 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
         for c, oc in _group_slices(groups, C, OC):
             kernels.conv2d_grad_input(dy_rows[:, oc], w2d[oc], dx[..., c], *geo, nt, True)
         return dx
-    dx = np.zeros(in_shape, dy.dtype)
-    if dx.size == 0 or dy.size == 0:
-        return dx
+    if 0 in in_shape or dy.size == 0:
+        return np.zeros(in_shape, dy.dtype)
+    # The stride-1 depthwise and narrow-grouped input gradients are forward
+    # convolutions, which write every element of dx: no zeroing (depthwise
+    # 3x3 at batch 8, 2 threads: 32 @112, a 12.8 MB dx, 0.64 -> 0.36 ms; 576
+    # @14 0.16-0.18 -> 0.14 ms).
     if _is_depthwise(groups, C):
         taps = _tap_weights(w2d, geo.kernel)
         (DH, DW), (PT, PL) = geo.dilation, geo.pad_before
@@ -454,19 +457,23 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
                 and PT <= 2 * DH and PL <= 2 * DW):
             # At stride 1 the input gradient is dy convolved with the flipped
             # kernel (see _flipped_geometry): the forward's 3x3 row kernel.
+            dx = empty_aligned(in_shape, dy.dtype)
             kernels.depthwise_forward(_channels_last(dy), np.ascontiguousarray(taps[::-1, ::-1]),
                                       None, dx, geo.kernel, (1, 1), geo.dilation,
                                       (2 * DH - PT, 2 * DW - PL), nt)
             return dx
+        dx = np.zeros(in_shape, dy.dtype)
         kernels.depthwise_grad_input(np.ascontiguousarray(dy), taps, dx, *geo[:4], nt)
         return dx
     if geo.stride == (1, 1) and _is_narrow_grouped(groups, C, OC, geo.kernel):
         flipped = _flipped_geometry(geo, in_shape[1:3])
         if min(flipped.pad_before) >= 0:
+            dx = empty_aligned(in_shape, dy.dtype)
             kernels.grouped_direct_forward(
                 _channels_last(dy), _grouped_tap_weights(w2d, groups, geo.kernel, flip=True),
                 None, dx, *flipped[:4], nt)
             return dx
+    dx = np.zeros(in_shape, dy.dtype)
     dy_rows = _unit_columns(_pixel_matrix(dy))
     if _groups_in_parallel(groups, nt):
         kernels.conv2d_grad_input_groups(dy_rows, w2d, dx, groups, *geo, nt)
