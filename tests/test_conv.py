@@ -1047,9 +1047,11 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     (4, 24, 16, 20, 3, 1, 1),           # 2304 rows of 144 columns
     (4, 40, 3, 13, 7, 2, 3),            # RGB stem, 147 columns
     (4, 24, 70, 16, 1, 1, 0),           # 1x1: the image read in place
-    # fewer patch rows: dy on the left
+    # fewer patch rows, or twice as many output channels as patch columns:
+    # dy on the left
     (1, 8, 96, 48, 3, 1, 1),            # 64 rows of 864 columns
     (2, 8, 600, 40, 1, 1, 0),           # 1x1, 128 rows of 600 columns
+    (8, 48, 16, 40, 1, 2, 0),           # 1x1/2, 4608 rows of 16 columns, 40 channels
 ])
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("threads", [1, 2])

@@ -710,27 +710,32 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                          acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
 
 
-cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K) noexcept nogil:
+cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K,
+                                          Py_ssize_t OC) noexcept nogil:
     # Which operand of the weight gradient's GEMM goes on the left (is read
     # in place, tiled MR rows at a time) and which is packed: the patches,
-    # once there are at least twice as many patch rows (pixels) as patch
-    # columns.  Then only dy's OC columns are packed, not the K patch
-    # columns, and the result's rows are the K patch columns, which MR
-    # divides better than a small OC (64 = 5 x 12 + 4 on AVX-512).  Measured
-    # in one process alternating (Zen 5, float32, AVX-512, batch 8 unless
-    # said, 2 / 1 threads, best GFLOPS dy-left -> patches-left): 3x3 64->64
-    # @56 351 -> 402 / 170 -> 193, batch 1 275 -> 348 / 187 -> 204, 3x3/2
-    # 64->128 @56 326 -> 367, 3x3 128->128 @28 357 -> 410 / 196 -> 218,
-    # 128->64 @28 297 -> 373, 192->192 @28 373 -> 424, 7x7/2 3->64 @224 184
-    # -> 252 / 115 -> 127, 1x1 256->64 @56 272 -> 428 / 170 -> 179, 512->128
-    # @28 353 -> 431; also float64 (3x3 64->64 @56 158 -> 185) and AVX2
-    # (141 -> 202).  With fewer pixels the patches-left product lost: 3x3
-    # 512->512 @7 359 -> 238, batch 1 190 -> 55, 256->256 @14 batch 1 326 ->
-    # 184, 1x1 2048->512 @7 356 -> 239 (one tile's k-major reads of patch
-    # rows that far apart, from a chunk past L2, stall); near the rule's
-    # edge the two tied within a few % (3x3 256->256 @14, 1x1 64->256 @56,
-    # 128->512 @28).
-    return M >= 2 * K
+    # where there are at least twice as many patch rows (pixels) as patch
+    # columns, and fewer than twice as many output channels.  Then only dy's
+    # OC columns are packed, not the K patch columns, and the result's rows
+    # are the K patch columns, which MR divides better than a small OC (64 =
+    # 5 x 12 + 4 on AVX-512).  Measured in one process alternating (Zen 5,
+    # float32, AVX-512, batch 8 unless said, 2 / 1 threads, best GFLOPS
+    # dy-left -> patches-left): 3x3 64->64 @56 351 -> 402 / 170 -> 193,
+    # batch 1 275 -> 348 / 187 -> 204, 3x3/2 64->128 @56 326 -> 367, 3x3
+    # 128->128 @28 357 -> 410 / 196 -> 218, 128->64 @28 297 -> 373, 192->192
+    # @28 373 -> 424, 16->64 @112 270 -> 305, 7x7/2 3->64 @224 184 -> 252 /
+    # 115 -> 127, 1x1 256->64 @56 272 -> 428 / 170 -> 179, 512->128 @28 353
+    # -> 431; also float64 (3x3 64->64 @56 158 -> 185) and AVX2 (141 ->
+    # 202).  With fewer pixels the patches-left product lost: 3x3 512->512
+    # @7 359 -> 238, batch 1 190 -> 55, 256->256 @14 batch 1 326 -> 184, 1x1
+    # 2048->512 @7 356 -> 239 (one tile's k-major reads of patch rows that
+    # far apart, from a chunk past L2, stall); near the edge the two tied
+    # within a few % (3x3 256->256 @14, 1x1 128->512 @28).  With twice as
+    # many output channels as patch columns it lost too: 1x1/2 256->512 @56
+    # 416 -> 400, batch 1 416 -> 338, 64->128 320 -> 272, 512->1024 @28 432
+    # -> 376 (VGG's 3x3 3->64, 27 patch columns, won 105 -> 123 but stays
+    # with dy on the left).
+    return M >= 2 * K and OC < 2 * K
 
 
 cdef inline bint patches_are_image(const ConvGeom* g, ImageStrides xs) noexcept nogil:
@@ -776,7 +781,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
-    cdef bint left = grad_weight_patches_left(M, K)
+    cdef bint left = grad_weight_patches_left(M, K, OC)
     # acc: OC x K, or K x OC with the patches on the left.
     cdef Py_ssize_t acc_ld = OC if left else K
     cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(OC if left else K, NR) * NR
