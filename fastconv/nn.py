@@ -595,6 +595,16 @@ class MaxPool2d(_Pool2d):
     def backward(self, grad_output):
         saved = self._saved_for_backward()
         winner, taps = saved["winner"], self.kernel_size[0] * self.kernel_size[1]
+        grad_output = np.asarray(grad_output)
+        if grad_output.dtype in (np.float32, np.float64):
+            # Each value onto the pixel its winner read, in one pass (the
+            # numpy adjoint below, a masked copy and a strided add per tap,
+            # took ~13 % of train_digits.py's epoch).
+            dx = np.zeros(saved["in_shape"], grad_output.dtype)
+            _dispatch.kernels.max_pool2d_backward(
+                np.ascontiguousarray(grad_output), np.ascontiguousarray(winner), dx,
+                self.kernel_size, self.stride, self.dilation, self.padding, get_num_threads())
+            return dx
         return self._input_grad(saved["in_shape"],
                                 (np.where(winner == tap, grad_output, 0) for tap in range(taps)),
                                 grad_output.dtype)

@@ -247,14 +247,34 @@ def test_maxpool_ties_and_nan_follow_torch():
 
 
 
+@pytest.mark.parametrize("kernel, stride, padding", [(3, 2, 1), (2, 2, 0)])
+@pytest.mark.parametrize("N", [1, 4])
+def test_maxpool_backward_on_two_threads_matches_torch(kernel, stride, padding, N, request):
+    """Large enough for 2 threads: overlapping windows (3x3/2) split by
+    image, disjoint ones (2x2/2) by output row; against torch's gradient."""
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(2)
+    x = randn(N, 56, 55, 64, seed=N).astype(np.float32)
+    layer, reference = nn.MaxPool2d(kernel, stride, padding), torch.nn.MaxPool2d(kernel, stride,
+                                                                                 padding)
+    x_torch = nchw(x).requires_grad_()
+    y_torch = reference(x_torch)
+    np.testing.assert_array_equal(layer(x), nhwc(y_torch))
+    grad = randn(*layer(x).shape, seed=7).astype(np.float32)
+    y_torch.backward(nchw(grad))
+    np.testing.assert_allclose(layer.backward(grad), nhwc(x_torch.grad), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kernel, stride, padding, dilation", [
     (3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 2), ((3, 2), (1, 2), (1, 0), 1), (1, 1, 0, 1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("view", ["contiguous", "strided", "reversed"])
 def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dilation, dtype,
                                                     view):
-    """The compiled max pool (fastconv._kernels max_pool2d) against the
-    numpy formulation it replaced, bit for bit, values and winning taps:
+    """The compiled max pool (fastconv._kernels max_pool2d and its
+    backward) against the numpy formulation it replaced, bit for bit,
+    values and winning taps (the gradient to rounding):
     ties (many equal values), NaN, -inf and inf, odd sizes, views."""
     rng = np.random.default_rng(2)
     base = rng.integers(-3, 3, (3, 11, 13, 21)).astype(dtype)   # many ties
@@ -270,10 +290,14 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     got = layer(x)
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(layer._saved_for_backward()["winner"], winner_expected)
+    # The backward kernel against the numpy adjoint (a masked copy and a
+    # strided add per tap): a pixel in several windows sums its values in
+    # another order there, so to rounding.
     grad = rng.standard_normal(got.shape).astype(dtype)
-    np.testing.assert_array_equal(layer.backward(grad), layer._input_grad(
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(layer.backward(grad), layer._input_grad(
         x.shape, (np.where(winner_expected == t, grad, 0) for t in range(
-            layer.kernel_size[0] * layer.kernel_size[1])), dtype))
+            layer.kernel_size[0] * layer.kernel_size[1])), dtype), **tol)
     with nn.no_grad():
         np.testing.assert_array_equal(layer(x), expected)
     assert layer(x[:0]).shape == (0, *expected.shape[1:])

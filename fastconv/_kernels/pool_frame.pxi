@@ -103,3 +103,55 @@ def max_pool2d(const real[:, :, :, :] x, real[:, :, :, ::1] y, winner, kernel, s
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
             max_pool_row(&g, &x[0, 0, 0, 0], xs, row // g.OH, row % g.OH, &y[0, 0, 0, 0],
                          winner_ptr)
+
+
+cdef void max_pool_grad_row(const ConvGeom* g, const real* dy, const uint16_t* winner,
+                            Py_ssize_t n, Py_ssize_t oh, real* dx) noexcept nogil:
+    # dx += output row (n, oh)'s gradient, each value onto the input pixel
+    # its window's winning tap read (none when that tap was in the padding).
+    cdef Py_ssize_t ow, c, tap, ih, iw, base = (n * g.OH + oh) * g.OW * g.C
+    cdef const real* dyp
+    cdef const uint16_t* wp
+    for ow in range(g.OW):
+        dyp = dy + base + ow * g.C
+        wp = winner + base + ow * g.C
+        for c in range(g.C):
+            tap = wp[c]
+            ih = oh * g.SH - g.PT + (tap // g.KW) * g.DH
+            iw = ow * g.SW - g.PL + (tap % g.KW) * g.DW
+            if 0 <= ih < g.H and 0 <= iw < g.W:
+                dx[((n * g.H + ih) * g.W + iw) * g.C + c] += dyp[c]
+
+
+def max_pool2d_backward(const real[:, :, :, ::1] dy, const uint16_t[:, :, :, ::1] winner,
+                        real[:, :, :, ::1] dx, kernel, stride, dilation, pad_before,
+                        int num_threads):
+    """dx += the input gradient of max_pool2d for dy: each dy value onto the
+    pixel its window's winning tap (winner, from max_pool2d) read.  dy and
+    winner (N, OH, OW, C), dx (N, H, W, C), all contiguous."""
+    cdef ConvGeom g = make_geom(dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3],
+                                kernel, stride, dilation, pad_before, (dy.shape[1], dy.shape[2]))
+    if dy.shape[0] != g.N or dy.shape[3] != g.C:
+        raise ValueError(f"dy must have shape ({g.N}, OH, OW, {g.C}); got {tuple(dy.shape)}")
+    if (winner.shape[0] != dy.shape[0] or winner.shape[1] != dy.shape[1]
+            or winner.shape[2] != dy.shape[2] or winner.shape[3] != dy.shape[3]):
+        raise ValueError("winner must have dy's shape")
+    if dy.shape[0] * dy.shape[1] * dy.shape[2] * dy.shape[3] == 0:
+        return
+    cdef Py_ssize_t elements = g.N * g.OH * g.OW * g.C
+    cdef int nt = max(1, min(num_threads, <int>(elements // COPY_ELEMENTS_PER_THREAD)))
+    cdef bint disjoint = windows_disjoint(&g)
+    cdef Py_ssize_t task, oh
+    with nogil:
+        if disjoint:
+            # No two windows share a pixel: output rows are independent.
+            for task in prange(g.N * g.OH, num_threads=nt, schedule="static"):
+                max_pool_grad_row(&g, &dy[0, 0, 0, 0], &winner[0, 0, 0, 0], task // g.OH,
+                                  task % g.OH, &dx[0, 0, 0, 0])
+        else:
+            # Overlapping windows (3x3/2) add into shared pixels: a thread
+            # per image.
+            for task in prange(g.N, num_threads=nt, schedule="static"):
+                for oh in range(g.OH):
+                    max_pool_grad_row(&g, &dy[0, 0, 0, 0], &winner[0, 0, 0, 0], task, oh,
+                                      &dx[0, 0, 0, 0])
