@@ -1,5 +1,5 @@
-# Max pooling of NHWC images, included after conv_frame.pxi by the per-ISA
-# modules (for fastconv.nn.MaxPool2d).  Memory-bound: one pass over the
+# Max pooling of NHWC images and its input gradient, included after
+# conv_frame.pxi by the per-ISA modules (for fastconv.nn.MaxPool2d).  Memory-bound: one pass over the
 # input, vectorised over channels, threads over output rows.  The numpy
 # version it replaces (a max over KH*KW strided views of a -inf-padded copy)
 # took 1.27 ms for ResNet-18's 3x3/2 pool at batch 1, most of it copies.
