@@ -596,6 +596,9 @@ class MaxPool2d(_Pool2d):
         saved = self._saved_for_backward()
         winner, taps = saved["winner"], self.kernel_size[0] * self.kernel_size[1]
         grad_output = np.asarray(grad_output)
+        if grad_output.shape != winner.shape:
+            raise ValueError(f"grad_output must have the forward output's shape "
+                             f"{winner.shape}; got {grad_output.shape}")
         if grad_output.dtype in (np.float32, np.float64):
             # Each value onto the pixel its winner read, in one pass (the
             # numpy adjoint below, a masked copy and a strided add per tap,

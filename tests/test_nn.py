@@ -244,6 +244,8 @@ def test_maxpool_ties_and_nan_follow_torch():
     np.testing.assert_array_equal(layer(x), nhwc(y_torch))
     y_torch.backward(torch.ones_like(y_torch))
     np.testing.assert_array_equal(layer.backward(np.ones((1, 2, 2, 1))), nhwc(x_torch.grad))
+    with pytest.raises(ValueError, match="grad_output"):
+        layer.backward(np.ones((1, 2, 3, 1)))
 
 
 

@@ -1,8 +1,9 @@
 # Max pooling of NHWC images and its input gradient, included after
-# conv_frame.pxi by the per-ISA modules (for fastconv.nn.MaxPool2d).  Memory-bound: one pass over the
-# input, vectorised over channels, threads over output rows.  The numpy
-# version it replaces (a max over KH*KW strided views of a -inf-padded copy)
-# took 1.27 ms for ResNet-18's 3x3/2 pool at batch 1, most of it copies.
+# conv_frame.pxi by the per-ISA modules (for fastconv.nn.MaxPool2d).  The
+# forward is memory-bound: one pass over the input, vectorised over
+# channels, threads over output rows.  The numpy version it replaces (a max
+# over KH*KW strided views of a -inf-padded copy) took 1.27 ms for
+# ResNet-18's 3x3/2 pool at batch 1, most of it copies.
 
 from libc.stdint cimport uint16_t
 from libc.math cimport INFINITY
