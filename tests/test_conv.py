@@ -984,6 +984,7 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
     (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
+    (1, 6, 7, 24, 600, 3, 1, 1, 1),     # output channels over one packed block (NC 512)
     # Batch 1, an odd number of pixel chunks: the threads split the output
     # channels (one thread: all of them), over one chunk of every pixel
     # (patch rows <= 2 MiB), packing the weights a block at a time ...

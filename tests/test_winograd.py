@@ -79,7 +79,7 @@ CASES = [
     ((2, 9, 10, 24, 20), 1, 2),                   # groups: per-group column slices
     ((1, 30, 30, 64, 48), 1, 1),
     ((1, 6, 6, 400, 40), 1, 1),                   # C over one GEMM k-block (KC 256, 384)
-    ((1, 4, 4, 8, 300), 1, 1),                    # OC over one packed block (NC = 256)
+    ((1, 4, 4, 8, 600), 1, 1),                    # OC over one packed block (NC 512)
 ]
 
 

@@ -767,6 +767,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     # batch 1), threads split the columns of dw instead and each walks every
     # chunk.  A 1x1 layer's patch rows are the image's pixels, read (or
     # packed) straight from it (patches_are_image).
+    cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
@@ -780,7 +781,6 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         # is a 3:2 split).
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
-    cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef bint left = grad_weight_patches_left(M, K, OC)
     # acc: OC x K, or K x OC with the patches on the left.
     cdef Py_ssize_t acc_ld = OC if left else K
