@@ -466,6 +466,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     cdef const real* out_bias
     cdef Py_ssize_t rso
     cdef int flags, tile_act, out_act
+    cdef bint interior
     # With dense pixels and no dilation along rows, a kernel row's taps are
     # one run of KW*C values in the image (and in a built patch row): a
     # block of whole kernel rows is read as one run per row (7x7 over RGB:
@@ -521,7 +522,15 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                 # Run r of pixel i: in the image, its tap offset past the
                 # pixel's tap (0, 0); in a built patch row, at the block's
                 # column k0, runs run_len apart.
+                interior = True
                 for i in range(mr):
+                    if rows[i0 + i].built:
+                        interior = False
+                if interior:
+                    for i in range(mr):
+                        table[i] = <const real*>rows[i0 + i].base + blk.c0
+                else:
+                  for i in range(mr):
                     pix = rows + i0 + i
                     if pix.built:
                         a = <const real*>pix.base + blk.k0
@@ -556,10 +565,18 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
                     else:
                         out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
-                    if real is float:
+                    if real is float and interior:
+                        fc_shared_runs_kernel_f32(mr, n_runs, run_off, <const float* const*>table,
+                                                  run_len, bblk + jr * blk.kc, out, rso, flags,
+                                                  out_bias, out_act)
+                    elif real is float:
                         fc_indirect_kernel_f32(mr, n_runs, <const float* const*>table, run_len,
                                                bblk + jr * blk.kc, out, rso, flags, out_bias,
                                                out_act)
+                    elif interior:
+                        fc_shared_runs_kernel_f64(mr, n_runs, run_off, <const double* const*>table,
+                                                  run_len, bblk + jr * blk.kc, out, rso, flags,
+                                                  out_bias, out_act)
                     else:
                         fc_indirect_kernel_f64(mr, n_runs, <const double* const*>table, run_len,
                                                bblk + jr * blk.kc, out, rso, flags, out_bias,

@@ -51,6 +51,14 @@ cdef extern from "micro_kernel.h":
     void fc_indirect_kernel_f64(int mr, Py_ssize_t nruns, const double* const* rows, Py_ssize_t kc,
                                 const double* b, double* out, Py_ssize_t rso, int flags,
                                 const double* bias, int act) noexcept nogil
+    void fc_shared_runs_kernel_f32(int mr, Py_ssize_t nruns, const Py_ssize_t* run_off,
+                                   const float* const* pix, Py_ssize_t kc, const float* b,
+                                   float* out, Py_ssize_t rso, int flags, const float* bias,
+                                   int act) noexcept nogil
+    void fc_shared_runs_kernel_f64(int mr, Py_ssize_t nruns, const Py_ssize_t* run_off,
+                                   const double* const* pix, Py_ssize_t kc, const double* b,
+                                   double* out, Py_ssize_t rso, int flags, const double* bias,
+                                   int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil

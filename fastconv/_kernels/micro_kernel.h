@@ -166,6 +166,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     }
 
 #define FC_PLAIN_ROW(t, i) (a0 + (i) * rsa)
+#define FC_SHARED_RUNS_ROW(t, i) (pix[i] + run_off[t])
 #define FC_TABLE_ROW(t, i) (rows[(t) * ROWS + (i)])
 /* A k-major slice (fc_kmajor_kernel): value (i, p) at a0[p*lda + i]. */
 #define FC_KMAJOR_ROW(t, i) (a0 + (i))
@@ -181,6 +182,12 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T), 0)         \
+    static inline void fc_shared_runs_kernel_##SUFFIX##_##R(                    \
+        ptrdiff_t nruns, const ptrdiff_t *restrict run_off,                     \
+        const T *const *restrict pix, ptrdiff_t kc, const T *restrict b,        \
+        T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
+        int act)                                                                \
+    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_SHARED_RUNS_ROW, sizeof(T), 0)   \
     static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t lda, const T *restrict b, \
         T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
@@ -198,6 +205,10 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 #define FC_INDIRECT_CASE(SUFFIX, T, R, NR)                                       \
     case R: fc_indirect_kernel_##SUFFIX##_##R(nruns, rows, kc, b, out, rso,     \
                                               flags, bias, act); break;
+
+#define FC_SHARED_RUNS_CASE(SUFFIX, T, R, NR)                                    \
+    case R: fc_shared_runs_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc, b, out, \
+                                                 rso, flags, bias, act); break;
 
 #define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
     X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
@@ -222,6 +233,13 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_INDIRECT_CASE, SUFFIX, T, NR) }            \
+    }                                                                           \
+    static inline void fc_shared_runs_kernel_##SUFFIX(                          \
+        int mr, ptrdiff_t nruns, const ptrdiff_t *run_off, const T *const *pix, \
+        ptrdiff_t kc, const T *b, T *out, ptrdiff_t rso, int flags,             \
+        const T *bias, int act)                                                 \
+    {                                                                           \
+        switch (mr) { FC_FOR_ROWS(FC_SHARED_RUNS_CASE, SUFFIX, T, NR) }         \
     }                                                                           \
     static inline void fc_kmajor_kernel_##SUFFIX(                               \
         int mr, ptrdiff_t kc, const T *a0, ptrdiff_t lda, const T *b, T *out,   \
