@@ -980,7 +980,7 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
 @pytest.mark.parametrize("N, H, W, C, OC, k, s, d, p", [
     (2, 9, 10, 700, 40, 3, 1, 1, 1),    # a tap deeper than KC: channel-split k-blocks
     (1, 12, 12, 600, 70, 3, 2, 1, 1),   # the same, strided
-    (2, 8, 9, 1024, 33, 3, 1, 1, 1),    # pixels 4 KiB apart: patch-row path throughout
+    (2, 8, 9, 1024, 33, 3, 1, 1, 1),    # pixels 4 KiB apart: shadow windows throughout
     (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
     (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
@@ -991,8 +991,8 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (1, 11, 11, 256, 64, 3, 1, 1, 1),
     # ... or, above that, each thread walking every chunk for its share.
     (1, 10, 11, 600, 64, 3, 1, 1, 1),
-    # Images past 2 MiB, whose tiles prefetch the next tile's runs (built
-    # border rows and image runs), 3x3/2 and 1x1/2.
+    # Images past 2 MiB, whose tiles prefetch the next tile's runs (shadow
+    # windows and image runs), 3x3/2 and 1x1/2.
     (2, 24, 25, 512, 16, 3, 2, 1, 1),
     (2, 32, 33, 288, 24, 1, 2, 1, 0),
 ])
@@ -1000,7 +1000,7 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype, threads, request):
     """Interior pixels are multiplied straight from the image, border pixels
-    through built patch rows; both, across every k-block shape, on one
+    through their shadow windows; both, across every k-block shape, on one
     thread or two, must agree with torch."""
     previous = fastconv.get_num_threads()
     request.addfinalizer(lambda: fastconv.set_num_threads(previous))
@@ -1015,6 +1015,50 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype, thre
         np.ascontiguousarray(w.transpose(0, 3, 1, 2), np.float64)),
         torch.from_numpy(b.astype(np.float64)), **kwargs)
     assert_close(y, from_torch(ref_y, "NHWC"), dtype, k * k * C, "output")
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("view, H, W, kernel, stride, dilation, padding", [
+    ("columns reversed", 9, 11, (3, 3), (1, 1), (1, 2), (1, 2)),
+    ("rows reversed", 10, 8, (5, 3), (1, 2), (2, 1), (4, 1)),
+    ("both reversed", 7, 9, (3, 5), (2, 1), (1, 1), (1, 2)),
+    ("channel slice, columns reversed", 8, 8, (3, 3), (2, 2), (1, 1), (1, 1)),
+    # a window wider than a row of the image: no pixel inside it, the
+    # shadows take a pitch of their own
+    ("contiguous", 3, 3, (5, 5), (1, 1), (1, 1), (2, 2)),
+    ("rows reversed", 2, 4, (3, 5), (1, 1), (1, 2), (1, 4)),
+    # one kernel row: a single band of windows
+    ("contiguous", 6, 9, (1, 5), (1, 1), (1, 1), (0, 2)),
+])
+@pytest.mark.parametrize("chunks", ["default", "one panel"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation, padding,
+                                      chunks, threads, request):
+    """Border pixels read their taps from shadow windows laid out at the
+    image's own tap offsets, which are negative for views that run
+    backwards; every pixel, in the image or in a shadow, must agree with
+    torch, whatever the chunking and threads."""
+    if chunks == "one panel":
+        one_panel_chunks(request)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    fastconv.set_num_threads(threads)
+    rng = np.random.default_rng(H * W + sum(kernel))
+    C = 6
+    base = rng.standard_normal((2, H, W, 2 * C if "slice" in view else C))
+    x = base[..., :C]
+    if "columns" in view or "both" in view:
+        x = x[:, :, ::-1]
+    if "rows" in view or "both" in view:
+        x = x[:, ::-1]
+    w = rng.standard_normal((20, *kernel, C))
+    kwargs = dict(stride=stride, dilation=dilation, padding=padding)
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, **kwargs, algorithm="implicit")
+    ref = F.conv2d(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))),
+                   torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2))), None,
+                   stride, padding, dilation).numpy().transpose(0, 2, 3, 1)
+    assert_close(y, ref, np.float64, w[0].size, "output")
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)

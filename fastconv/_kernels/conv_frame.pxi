@@ -82,53 +82,63 @@ cdef inline Py_ssize_t chunk_rows(real dtype_tag, Py_ssize_t K, Py_ssize_t M,
     return min(rows, cdiv(M, MR) * MR)
 
 
+cdef void im2col_pixel(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssize_t m,
+                       real* d, Py_ssize_t d_row, Py_ssize_t d_tap) noexcept nogil:
+    # Pixel m's taps -> d: tap (kh, kw) at d + kh*d_row + kw*d_tap, C
+    # contiguous values each; taps in the padding are zero.  A patch row
+    # has d_row = KW*C, d_tap = C; a shadow window (see ShadowLayout) the
+    # image's own tap offsets.  When pixels are dense and dilation is 1
+    # (d_tap = C then), a kernel row's taps inside the image are a single
+    # run of up to KW*C values (7x7 over RGB: 21 values in one copy, not 7).
+    cdef Py_ssize_t ohw = g.OH * g.OW
+    cdef Py_ssize_t n = m // ohw
+    cdef Py_ssize_t r = m - n * ohw
+    cdef Py_ssize_t oh = r // g.OW
+    cdef Py_ssize_t ow = r - oh * g.OW
+    cdef Py_ssize_t kh, kw, ih, iw, kw_lo, kw_hi
+    cdef Py_ssize_t iw0 = ow * g.SW - g.PL
+    cdef size_t run = g.C * sizeof(real)
+    cdef bint dense_rows = g.DW == 1 and xs.w == g.C
+    cdef real* dr
+    cdef const real* xrow
+    for kh in range(g.KH):
+        dr = d + kh * d_row
+        ih = oh * g.SH - g.PT + kh * g.DH
+        if ih < 0 or ih >= g.H:
+            if d_tap == g.C:
+                memset(dr, 0, g.KW * run)
+            else:
+                for kw in range(g.KW):
+                    memset(dr + kw * d_tap, 0, run)
+            continue
+        xrow = x + n * xs.n + ih * xs.h
+        if dense_rows:
+            # The taps inside the image as one run, zeros either side
+            # (at the stem's border columns, 7 copies of 3 values a
+            # kernel row had put 2.4 % of its time in memmove).
+            kw_lo = min(g.KW, max(0, -iw0))
+            kw_hi = max(kw_lo, min(g.KW, g.W - iw0))
+            memset(dr, 0, kw_lo * run)
+            if kw_hi > kw_lo:
+                memcpy(dr + kw_lo * g.C, xrow + (iw0 + kw_lo) * xs.w, (kw_hi - kw_lo) * run)
+            memset(dr + kw_hi * g.C, 0, (g.KW - kw_hi) * run)
+            continue
+        for kw in range(g.KW):
+            iw = iw0 + kw * g.DW
+            if iw < 0 or iw >= g.W:
+                memset(dr + kw * d_tap, 0, run)
+            else:
+                memcpy(dr + kw * d_tap, xrow + iw * xs.w, run)
+
+
 cdef void im2col_rows(const ConvGeom* g, const real* x, ImageStrides xs,
                       Py_ssize_t m0, Py_ssize_t m1, real* dst,
                       Py_ssize_t ldd) noexcept nogil:
-    # Patch rows m0..m1 -> dst (row-major, leading dimension ldd).  Each tap
-    # is one contiguous run of C values; taps in the padding are zero.  When
-    # pixels are dense and dilation is 1, a kernel row's taps inside the
-    # image are a single run of up to KW*C values (7x7 over RGB: 21 values
-    # in one copy, not 7).
-    cdef Py_ssize_t m, n, r, oh, ow, kh, kw, ih, iw, iw0, kw_lo, kw_hi
-    cdef Py_ssize_t ohw = g.OH * g.OW
-    cdef size_t run = g.C * sizeof(real)
-    cdef bint dense_rows = g.DW == 1 and xs.w == g.C
-    cdef real* d
-    cdef const real* xrow
+    # Patch rows m0..m1 -> dst (row-major, leading dimension ldd): tap
+    # (kh, kw) of a row at column (kh*KW + kw)*C.
+    cdef Py_ssize_t m
     for m in range(m0, m1):
-        n = m // ohw
-        r = m - n * ohw
-        oh = r // g.OW
-        ow = r - oh * g.OW
-        d = dst + (m - m0) * ldd
-        iw0 = ow * g.SW - g.PL
-        for kh in range(g.KH):
-            ih = oh * g.SH - g.PT + kh * g.DH
-            if ih < 0 or ih >= g.H:
-                memset(d, 0, g.KW * run)
-                d += g.KW * g.C
-                continue
-            xrow = x + n * xs.n + ih * xs.h
-            if dense_rows:
-                # The taps inside the image as one run, zeros either side
-                # (at the stem's border columns, 7 copies of 3 values a
-                # kernel row had put 2.4 % of its time in memmove).
-                kw_lo = min(g.KW, max(0, -iw0))
-                kw_hi = max(kw_lo, min(g.KW, g.W - iw0))
-                memset(d, 0, kw_lo * run)
-                if kw_hi > kw_lo:
-                    memcpy(d + kw_lo * g.C, xrow + (iw0 + kw_lo) * xs.w, (kw_hi - kw_lo) * run)
-                memset(d + kw_hi * g.C, 0, (g.KW - kw_hi) * run)
-                d += g.KW * g.C
-                continue
-            for kw in range(g.KW):
-                iw = iw0 + kw * g.DW
-                if iw < 0 or iw >= g.W:
-                    memset(d, 0, run)
-                else:
-                    memcpy(d, xrow + iw * xs.w, run)
-                d += g.C
+        im2col_pixel(g, x, xs, m, dst + (m - m0) * ldd, g.KW * g.C, g.C)
 
 
 cdef void col2im_rows_add(const ConvGeom* g, const real* src, Py_ssize_t lds,
@@ -235,7 +245,7 @@ cdef enum:
     # 461 -> 482, 3x3/2 128->256 @28 b8 250 -> 259 / 475 -> 491, 3x3 64->64
     # @56 b8 (implicit) 239 -> 256 / 455 -> 492, 512->512 @7 b1 201 -> 207 /
     # 398 -> 408; the AVX2 build +0-3 %.  Fewer blocks: each output tile is
-    # loaded and stored, and its row table built, once a block.  A tile's A
+    # loaded and stored, and its run offsets set, once a block.  A tile's A
     # runs (12 pixels x 576 values, 27 KiB) still fit a 32 KiB L1; 768
     # (36 KiB) measured the same or better on Zen 5's 48 KiB L1 (3x3/2
     # 256->512 @14 b8, 2 threads, 476 -> 501 where 576 gave 487) but would
@@ -363,12 +373,56 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          NULL if bias == NULL else bias + jc, ACT_NONE, 0)
 
 
-cdef struct PixelRow:
-    # Where one output pixel's patch row is read from: base is the pixel's
-    # tap (0, 0) in the image when every tap is inside it; otherwise its
-    # patch row, built in the chunk buffer (built).
-    const void* base
-    bint built
+cdef struct ShadowLayout:
+    # Where the pixels with taps in the padding are read from: each gets a
+    # shadow window, a copy of its taps (zeros in the padding) laid out with
+    # the image's own tap offsets (tap (kh, kw) at kh*pitch + kw*DW*xs.w,
+    # pitch = DH*xs.h; either may be negative, for views that run
+    # backwards), so that every pixel of a tile, in the image or in a
+    # shadow, reads run r at its pointer + run_off[r]: one kernel
+    # (fc_shared_runs_kernel) and one pointer a pixel, where built patch
+    # rows (runs KW*C apart) needed a table of every run's pointer per tile
+    # and a kernel reading it: 3-8 % of a padded layer's time on its
+    # border tiles (stem b8, VGG conv1_1, 3x3/2 64->128 @56).
+    # A window spans KH rows |pitch| apart, width values each; windows of
+    # per_band pixels interleave, slot values apart, within the gaps of a
+    # band (a window's rows leave |pitch| - width values free), bands
+    # band_size apart; a pixel's pointer is lead values into its slot.  So
+    # shadows take about what patch rows took (C = 64 at 56x56: 590 values
+    # a pixel for K = 576).
+    Py_ssize_t pitch, width, slot, per_band, band_size, lead
+
+
+cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides xs,
+                                Py_ssize_t pixels) noexcept nogil:
+    # For chunks of up to pixels pixels.  |DH*xs.h| < width only where no
+    # pixel is inside the image (a kernel wider than the image): the
+    # windows then take their own pitch, which the run offsets follow
+    # (shadows only).
+    cdef ShadowLayout sh
+    cdef Py_ssize_t span_w = (g.KW - 1) * g.DW * xs.w     # tap kw = KW-1's offset
+    sh.width = max(span_w, -span_w) + g.C
+    sh.pitch = g.DH * xs.h
+    if max(sh.pitch, -sh.pitch) < sh.width:
+        sh.pitch = sh.width
+    cdef Py_ssize_t row_step = max(sh.pitch, -sh.pitch)
+    sh.lead = max(0, -span_w) + max(0, -(g.KH - 1) * sh.pitch)
+    # Slots a multiple of 2 KiB apart would put a tile's pixels in one L1
+    # set (as patch_ld pads patch rows).
+    sh.slot = sh.width
+    if (sh.slot * <Py_ssize_t>sizeof(real)) % 2048 == 0:
+        sh.slot += A_PANEL_PAD
+    if g.KH == 1:
+        sh.per_band = max(1, pixels)
+    else:
+        sh.per_band = (row_step - sh.width) // sh.slot + 1
+    sh.band_size = (g.KH - 1) * row_step + (sh.per_band - 1) * sh.slot + sh.width
+    return sh
+
+
+cdef inline Py_ssize_t shadow_size(const ShadowLayout* sh, Py_ssize_t pixels) noexcept nogil:
+    # Values of shadow windows for up to pixels pixels.
+    return cdiv(pixels, sh.per_band) * sh.band_size
 
 
 cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag) noexcept nogil:
@@ -399,13 +453,14 @@ cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh,
 
 cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
                           Py_ssize_t m0, Py_ssize_t m1, bint use_taps,
-                          real* buf, Py_ssize_t ld, PixelRow* rows) noexcept nogil:
-    # rows[m - m0] for pixels m0..m1: the image where all of the pixel's taps
-    # are inside it; otherwise its patch row, built into buf (a run of such
-    # pixels with one im2col_rows call).
+                          const ShadowLayout* sh, real* buf, const real** pixels) noexcept nogil:
+    # pixels[m - m0] for pixels m0..m1: the pixel's tap (0, 0) in the image
+    # where all of its taps are inside it; otherwise in its shadow window,
+    # built into buf.
     cdef Py_ssize_t ohw = g.OH * g.OW
     cdef Py_ssize_t m = m0, n, r, oh, ow, end, nbuf = 0
     cdef RowRange cols
+    cdef real* d
     while m < m1:
         n = m // ohw
         r = m - n * ohw
@@ -415,37 +470,39 @@ cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
         if cols.lo <= ow < cols.hi:
             end = min(m1, m + cols.hi - ow)
             while m < end:
-                rows[m - m0].base = (x + n * xs.n + (oh * g.SH - g.PT) * xs.h
-                                     + (ow * g.SW - g.PL) * xs.w)
-                rows[m - m0].built = False
+                pixels[m - m0] = (x + n * xs.n + (oh * g.SH - g.PT) * xs.h
+                                  + (ow * g.SW - g.PL) * xs.w)
                 m += 1
                 ow += 1
         else:
             # Up to the row's first interior column, or to the row's end.
             end = min(m1, m + (cols.lo - ow if ow < cols.lo else g.OW - ow))
-            im2col_rows(g, x, xs, m, end, buf + nbuf * ld, ld)
             while m < end:
-                rows[m - m0].base = buf + nbuf * ld
-                rows[m - m0].built = True
+                d = (buf + (nbuf // sh.per_band) * sh.band_size
+                     + (nbuf % sh.per_band) * sh.slot + sh.lead)
+                im2col_pixel(g, x, xs, m, d, sh.pitch, g.DW * xs.w)
+                pixels[m - m0] = d
                 nbuf += 1
                 m += 1
 
 
 cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
-                              const Py_ssize_t* tap_off, const PixelRow* rows, Py_ssize_t npix,
+                              const Py_ssize_t* tap_off, const real** pixels, Py_ssize_t npix,
                               const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
                               const real* bpack, Py_ssize_t nc_blk,
                               Py_ssize_t js, Py_ssize_t n_js,
                               const real* bias, int act, real* y, Py_ssize_t rsy,
                               bint stream, const real* w, Py_ssize_t rsw,
-                              real* own_block, const real** table, real beta) noexcept nogil:
+                              real* own_block, Py_ssize_t* block_off,
+                              real beta) noexcept nogil:
     # y[the npix pixels, share js of the output channels] = patches @ w.T
     # (+ bias) (+ y when beta is 1): the forward's macro-kernel.  Up to MR
     # consecutive pixels are one tile, whatever output rows and borders they
-    # span: per k-block, the tile's run pointers go into table (see
-    # fc_indirect_kernel), its A slice stays in L1 while the NR panels of
-    # the block stream from L2.  stream: y's full tiles go out with
-    # non-temporal stores (can_stream).
+    # span (pixels: each one's tap (0, 0), in the image or its shadow
+    # window, see plan_pixel_rows): per k-block, run r of every pixel is at
+    # its pointer + block_off[r] (fc_shared_runs_kernel), the tile's A slice
+    # stays in L1 while the NR panels of the block stream from L2.  stream:
+    # y's full tiles go out with non-temporal stores (can_stream).
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
     # own_block is given, this task packs its share of each block of w into
     # own_block (one block, kc_max x nc_blk) just before multiplying it.
@@ -457,18 +514,15 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     cdef Py_ssize_t jb, kb, jc, nc, n_panels, jp0, jp1, ti, i0, mr, i, r, jp, jr, n_runs, run_len
     cdef const Py_ssize_t* run_off
     cdef const real* bblk
-    cdef const real* a
     cdef const KBlock* blk
-    cdef const PixelRow* pix
     cdef real* yt
     cdef real* out
     cdef const real* tile_bias
     cdef const real* out_bias
     cdef Py_ssize_t rso
     cdef int flags, tile_act, out_act
-    cdef bint interior
     # With dense pixels and no dilation along rows, a kernel row's taps are
-    # one run of KW*C values in the image (and in a built patch row): a
+    # one run of KW*C values in the image (and in a shadow window): a
     # block of whole kernel rows is read as one run per row (7x7 over RGB:
     # 7 runs of 21 instead of 49 of 3; each run restarts the micro-kernel's
     # inner loop).
@@ -507,6 +561,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                 n_runs = blk.ntaps
                 run_off = tap_off + blk.t0
                 run_len = blk.cw
+            for r in range(n_runs):
+                block_off[r] = run_off[r] + blk.c0
             prefetch_runs = image_past_l2 and run_len * <Py_ssize_t>sizeof(real) >= 256
             if own_block != NULL:
                 for jp in range(jp0, jp1):
@@ -519,27 +575,6 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
             for ti in range(n_tiles):
                 i0 = share_start(ti, npix, n_tiles)
                 mr = share_start(ti + 1, npix, n_tiles) - i0
-                # Run r of pixel i: in the image, its tap offset past the
-                # pixel's tap (0, 0); in a built patch row, at the block's
-                # column k0, runs run_len apart.
-                interior = True
-                for i in range(mr):
-                    if rows[i0 + i].built:
-                        interior = False
-                if interior:
-                    for i in range(mr):
-                        table[i] = <const real*>rows[i0 + i].base + blk.c0
-                else:
-                  for i in range(mr):
-                    pix = rows + i0 + i
-                    if pix.built:
-                        a = <const real*>pix.base + blk.k0
-                        for r in range(n_runs):
-                            table[r * mr + i] = a + r * run_len
-                    else:
-                        a = <const real*>pix.base + blk.c0
-                        for r in range(n_runs):
-                            table[r * mr + i] = a + run_off[r]
                 for jp in range(jp0, jp1):
                     jr = jp * NR
                     if prefetch_runs and ti + 1 < n_tiles:
@@ -548,13 +583,9 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                         nxm = share_start(ti + 2, npix, n_tiles) - nx0
                         for i in range(share_start(jp - jp0, nxm, jp1 - jp0),
                                        share_start(jp - jp0 + 1, nxm, jp1 - jp0)):
-                            pix = rows + nx0 + i
                             for r in range(n_runs):
-                                if pix.built:
-                                    a = <const real*>pix.base + blk.k0 + r * run_len
-                                else:
-                                    a = <const real*>pix.base + blk.c0 + run_off[r]
-                                fc_prefetch_rows(a, 1, 0, run_len * sizeof(real))
+                                fc_prefetch_rows(pixels[nx0 + i] + block_off[r], 1, 0,
+                                                 run_len * sizeof(real))
                     yt = y + i0 * rsy + jc + jr
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
                     tile_act = act if kb == n_kb - 1 else ACT_NONE
@@ -565,22 +596,16 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
                     else:
                         out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
-                    if real is float and interior:
-                        fc_shared_runs_kernel_f32(mr, n_runs, run_off, <const float* const*>table,
-                                                  run_len, bblk + jr * blk.kc, out, rso, flags,
-                                                  out_bias, out_act)
-                    elif real is float:
-                        fc_indirect_kernel_f32(mr, n_runs, <const float* const*>table, run_len,
-                                               bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                               out_act)
-                    elif interior:
-                        fc_shared_runs_kernel_f64(mr, n_runs, run_off, <const double* const*>table,
-                                                  run_len, bblk + jr * blk.kc, out, rso, flags,
-                                                  out_bias, out_act)
+                    if real is float:
+                        fc_shared_runs_kernel_f32(mr, n_runs, block_off,
+                                                  <const float* const*>(pixels + i0), run_len,
+                                                  bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                                  out_act)
                     else:
-                        fc_indirect_kernel_f64(mr, n_runs, <const double* const*>table, run_len,
-                                               bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                               out_act)
+                        fc_shared_runs_kernel_f64(mr, n_runs, block_off,
+                                                  <const double* const*>(pixels + i0), run_len,
+                                                  bblk + jr * blk.kc, out, rso, flags, out_bias,
+                                                  out_act)
                     if out == acc:
                         write_tile(acc, NR, yt, rsy, 1, mr, min(NR, nc - jr), 1, beta,
                                    kb == 0, tile_bias, tile_act, stream)
@@ -597,10 +622,10 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # when accumulate: a residual the caller stored there)); w is OHWI
     # flattened (OC x K, row stride rsw), y row m has stride rsy.  prepacked,
     # when not NULL, is w as pack_conv_weights laid it out.  Implicit
-    # GEMM with an indirection table: pixels whose taps are all inside the
+    # GEMM with a pointer per pixel: pixels whose taps are all inside the
     # image are multiplied straight from it, the border pixels from their
-    # patch rows, built a chunk at a time; tiles mix both
-    # (multiply_pixel_rows).
+    # shadow windows (ShadowLayout), built a chunk at a time; tiles mix
+    # both (multiply_pixel_rows).
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = conv_kc(<real>0)
@@ -616,10 +641,6 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         return -1
     cdef Py_ssize_t n_kb = conv_k_blocks(<real>0, g, blocks)
     cdef Py_ssize_t kh, kw
-    for kh in range(g.KH):
-        for kw in range(g.KW):
-            tap_off[kh * g.KW + kw] = kh * g.DH * xs.h + kw * g.DW * xs.w
-        tap_off[T + kh] = kh * g.DH * xs.h
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     # Threads split the pixels (in chunks), or, when their micro-panels are
@@ -656,23 +677,32 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         own_blocks = <real*>aligned_malloc(nt * own_size * sizeof(real))
     elif prepacked == NULL:
         bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
-    cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
-    cdef PixelRow* pixel_rows = <PixelRow*>malloc(nt * R * sizeof(PixelRow))
-    # A tile's run pointers: at most one run per tap of a block.
-    cdef Py_ssize_t table_size = max_block_taps(blocks, n_kb) * MR
-    cdef const real** tables = <const real**>malloc(nt * table_size * sizeof(real*))
-    if ((bpack == NULL and own_blocks == NULL) or bufs == NULL or pixel_rows == NULL
-            or tables == NULL):
+    # Every pixel reads its taps at the same offsets, in the image or in
+    # its shadow window (whose pitch is the image's, unless no pixel is
+    # inside the image; see shadow_layout).
+    cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, R)
+    cdef bint use_taps = taps_path_ok(g, xs, <real>0) and sh.pitch == g.DH * xs.h
+    for kh in range(g.KH):
+        for kw in range(g.KW):
+            tap_off[kh * g.KW + kw] = kh * sh.pitch + kw * g.DW * xs.w
+        tap_off[T + kh] = kh * sh.pitch
+    cdef Py_ssize_t buf_size = shadow_size(&sh, R)
+    cdef real* bufs = <real*>aligned_malloc(nt * buf_size * sizeof(real))
+    cdef const real** pixels = <const real**>malloc(nt * R * sizeof(real*))
+    # A block's run offsets: at most one run per tap.
+    cdef Py_ssize_t n_off = max_block_taps(blocks, n_kb)
+    cdef Py_ssize_t* block_offs = <Py_ssize_t*>malloc(nt * n_off * sizeof(Py_ssize_t))
+    if ((bpack == NULL and own_blocks == NULL) or bufs == NULL or pixels == NULL
+            or block_offs == NULL):
         if prepacked == NULL:
             aligned_free(bpack)
             aligned_free(own_blocks)
         aligned_free(bufs)
-        free(pixel_rows)
-        free(tables)
+        free(pixels)
+        free(block_offs)
         free(blocks)
         free(tap_off)
         return -1
-    cdef bint use_taps = taps_path_ok(g, xs, <real>0)
     cdef bint stream = can_stream(M, OC, n_kb, <real>accumulate, rsy, 1)
     # Tasks are ordered by column share, then chunk, so that the static
     # schedule gives each thread whole shares: chunk-major order handed one
@@ -683,19 +713,19 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         m0 = min(M, share_start(task % n_ic, m_panels, n_ic) * MR)
         m1 = min(M, share_start(task % n_ic + 1, m_panels, n_ic) * MR)
         tid = threadid()
-        plan_pixel_rows(g, x, xs, m0, m1, use_taps, bufs + tid * R * ld, ld,
-                        pixel_rows + tid * R)
-        multiply_pixel_rows(g, xs, tap_off, pixel_rows + tid * R, m1 - m0,
+        plan_pixel_rows(g, x, xs, m0, m1, use_taps, &sh, bufs + tid * buf_size,
+                        pixels + tid * R)
+        multiply_pixel_rows(g, xs, tap_off, pixels + tid * R, m1 - m0,
                             blocks, n_kb, OC, bpack, nc_blk, task // n_ic, n_js, bias, act,
                             y + m0 * rsy, rsy, stream, w, rsw,
                             own_blocks + tid * own_size if pack_own else NULL,
-                            tables + tid * table_size, <real>accumulate)
+                            block_offs + tid * n_off, <real>accumulate)
     if prepacked == NULL:
         aligned_free(bpack)
         aligned_free(own_blocks)
     aligned_free(bufs)
-    free(pixel_rows)
-    free(tables)
+    free(pixels)
+    free(block_offs)
     free(blocks)
     free(tap_off)
     return 0

@@ -45,12 +45,6 @@ cdef extern from "micro_kernel.h":
     void fc_micro_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t rsa,
                              Py_ssize_t pf, const double* b, double* out, Py_ssize_t rso,
                              int flags, const double* bias, int act) noexcept nogil
-    void fc_indirect_kernel_f32(int mr, Py_ssize_t nruns, const float* const* rows, Py_ssize_t kc,
-                                const float* b, float* out, Py_ssize_t rso, int flags,
-                                const float* bias, int act) noexcept nogil
-    void fc_indirect_kernel_f64(int mr, Py_ssize_t nruns, const double* const* rows, Py_ssize_t kc,
-                                const double* b, double* out, Py_ssize_t rso, int flags,
-                                const double* bias, int act) noexcept nogil
     void fc_shared_runs_kernel_f32(int mr, Py_ssize_t nruns, const Py_ssize_t* run_off,
                                    const float* const* pix, Py_ssize_t kc, const float* b,
                                    float* out, Py_ssize_t rso, int flags, const float* bias,

@@ -50,14 +50,17 @@
  *   186-198 in place (256 x 128: 192 -> 220; 1024^3 217 -> 245; 2048 x 64
  *   x 3136 146 -> 230; 64 x 2048 x 3136, 64 panels a slice, 153-157
  *   either way).
- * - An implicit-GEMM convolution (fc_indirect_kernel) has one run per
- *   kernel tap or kernel row, and a table of row pointers: run t of row i
- *   starts at rows[t*R + i].  Each of the R output pixels points into the
- *   image where its taps are inside, or into its patch row, built in a
- *   buffer, where some tap falls in the padding; so any R consecutive
- *   pixels make a tile, across output rows and image borders alike (tiles
- *   cut at row ends and borders ran 1+12+12+3 pixels for a 28-wide row,
- *   and a strided 3x3 layer spent ~15 % of its time in the short ones).
+ * - An implicit-GEMM convolution (fc_shared_runs_kernel) has one run per
+ *   kernel tap or kernel row, at the same offsets for every pixel: run t
+ *   of row i starts at pix[i] + run_off[t].  Each of the R output pixels
+ *   points into the image where its taps are inside, or into its shadow
+ *   window, a copy of its taps laid out at the image's offsets, where some
+ *   tap falls in the padding; so any R consecutive pixels make a tile,
+ *   across output rows and image borders alike (tiles cut at row ends and
+ *   borders ran 1+12+12+3 pixels for a 28-wide row, and a strided 3x3
+ *   layer spent ~15 % of its time in the short ones).  A table of every
+ *   run's pointer, built per tile (what patch rows needed), cost 3-14 %
+ *   of layers with short runs (VGG conv1_1 at batch 8: 9-value runs).
  *
  * The R x NR result goes to out (rows rso apart): added to what is there
  * (FC_OUT_ADD), plus bias[0:NR] when bias is given, clamped by act (1 relu,
@@ -107,7 +110,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
-        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL, ROWS = (MR) };       \
+        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
         VEC c[MR][NV];                                                          \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
             FC_UNROLL for (int j = 0; j < NV; j++)                              \
@@ -167,7 +170,6 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 #define FC_PLAIN_ROW(t, i) (a0 + (i) * rsa)
 #define FC_SHARED_RUNS_ROW(t, i) (pix[i] + run_off[t])
-#define FC_TABLE_ROW(t, i) (rows[(t) * ROWS + (i)])
 /* A k-major slice (fc_kmajor_kernel): value (i, p) at a0[p*lda + i]. */
 #define FC_KMAJOR_ROW(t, i) (a0 + (i))
 
@@ -177,11 +179,6 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_PLAIN_ROW, sizeof(T), pf)            \
-    static inline void fc_indirect_kernel_##SUFFIX##_##R(                       \
-        ptrdiff_t nruns, const T *const *restrict rows, ptrdiff_t kc,           \
-        const T *restrict b, T *restrict out, ptrdiff_t rso, int flags,         \
-        const T *restrict bias, int act)                                        \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_TABLE_ROW, sizeof(T), 0)         \
     static inline void fc_shared_runs_kernel_##SUFFIX##_##R(                    \
         ptrdiff_t nruns, const ptrdiff_t *restrict run_off,                     \
         const T *const *restrict pix, ptrdiff_t kc, const T *restrict b,        \
@@ -202,9 +199,6 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, out, rso, flags,    \
                                             bias, act); break;
 
-#define FC_INDIRECT_CASE(SUFFIX, T, R, NR)                                       \
-    case R: fc_indirect_kernel_##SUFFIX##_##R(nruns, rows, kc, b, out, rso,     \
-                                              flags, bias, act); break;
 
 #define FC_SHARED_RUNS_CASE(SUFFIX, T, R, NR)                                    \
     case R: fc_shared_runs_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc, b, out, \
@@ -227,12 +221,6 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_MICRO_CASE, SUFFIX, T, NR) }               \
-    }                                                                           \
-    static inline void fc_indirect_kernel_##SUFFIX(                             \
-        int mr, ptrdiff_t nruns, const T *const *rows, ptrdiff_t kc,            \
-        const T *b, T *out, ptrdiff_t rso, int flags, const T *bias, int act)   \
-    {                                                                           \
-        switch (mr) { FC_FOR_ROWS(FC_INDIRECT_CASE, SUFFIX, T, NR) }            \
     }                                                                           \
     static inline void fc_shared_runs_kernel_##SUFFIX(                          \
         int mr, ptrdiff_t nruns, const ptrdiff_t *run_off, const T *const *pix, \
