@@ -1032,12 +1032,15 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype, thre
 ])
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("OC", [20, 101])
 def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation, padding,
-                                      chunks, threads, request):
+                                      chunks, threads, OC, request):
     """Border pixels read their taps from shadow windows laid out at the
     image's own tap offsets, which are negative for views that run
     backwards; every pixel, in the image or in a shadow, must agree with
-    torch, whatever the chunking and threads."""
+    torch, whatever the chunking and threads.  101 output channels: on
+    AVX-512 (float32) two full panels at once (the paired kernel), a third
+    alone and a partial one."""
     if chunks == "one panel":
         one_panel_chunks(request)
     previous = fastconv.get_num_threads()
@@ -1051,14 +1054,17 @@ def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation,
         x = x[:, :, ::-1]
     if "rows" in view or "both" in view:
         x = x[:, ::-1]
-    w = rng.standard_normal((20, *kernel, C))
+    w = rng.standard_normal((OC, *kernel, C))
     kwargs = dict(stride=stride, dilation=dilation, padding=padding)
     with fastconv._dispatch.use_isa(isa):
         y = conv2d(x, w, **kwargs, algorithm="implicit")
+        y32 = conv2d(x.astype(np.float32), w.astype(np.float32), **kwargs,
+                     algorithm="implicit")
     ref = F.conv2d(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))),
                    torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2))), None,
                    stride, padding, dilation).numpy().transpose(0, 2, 3, 1)
     assert_close(y, ref, np.float64, w[0].size, "output")
+    assert_close(y32, ref, np.float32, w[0].size, "float32 output")
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)

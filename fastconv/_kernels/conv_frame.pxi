@@ -521,6 +521,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     cdef const real* out_bias
     cdef Py_ssize_t rso
     cdef int flags, tile_act, out_act
+    cdef Py_ssize_t n_pan, half
     # With dense pixels and no dilation along rows, a kernel row's taps are
     # one run of KW*C values in the image (and in a shadow window): a
     # block of whole kernel rows is read as one run per row (7x7 over RGB:
@@ -575,14 +576,30 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
             for ti in range(n_tiles):
                 i0 = share_start(ti, npix, n_tiles)
                 mr = share_start(ti + 1, npix, n_tiles) - i0
-                for jp in range(jp0, jp1):
+                jp = jp0
+                while jp < jp1:
                     jr = jp * NR
+                    # Two full panels at once where the build has the tile
+                    # (S_PAIR_MR; the tile's pixels in two halves): each
+                    # pixel's runs are read once per 2*NR output channels.
+                    # Zen 5, 2 threads, processes alternating (median
+                    # GFLOPS, 12x32 -> pairs of 6x64): VGG conv1_1 b1 387-406
+                    # -> 438-440, stem b1 426-457 -> 448-469, 3x3/2 64->128
+                    # @56 b8 455 -> 463-466, 2048->512 @7 b1 338 -> 350;
+                    # conv1_1 b8 (102 MB streamed out) 369-378 -> 358-360,
+                    # stem b8 441-444 either way.  (A whole AVX-512 build at
+                    # 6x64 lost 8-22 % on Winograd's GEMMs, hence pairs here
+                    # rather than another tile for every product.)
+                    n_pan = 1
+                    if (real is float and S_PAIR_MR > 0 and jp + 1 < jp1
+                            and nc - jr >= 2 * NR and mr <= 2 * S_PAIR_MR):
+                        n_pan = 2
                     if prefetch_runs and ti + 1 < n_tiles:
-                        # This panel's share of the next tile's pixels.
+                        # These panels' share of the next tile's pixels.
                         nx0 = share_start(ti + 1, npix, n_tiles)
                         nxm = share_start(ti + 2, npix, n_tiles) - nx0
                         for i in range(share_start(jp - jp0, nxm, jp1 - jp0),
-                                       share_start(jp - jp0 + 1, nxm, jp1 - jp0)):
+                                       share_start(jp - jp0 + n_pan, nxm, jp1 - jp0)):
                             for r in range(n_runs):
                                 fc_prefetch_rows(pixels[nx0 + i] + block_off[r], 1, 0,
                                                  run_len * sizeof(real))
@@ -592,6 +609,21 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                     # Finished by the kernel into y, or into acc for write_tile.
                     flags = tile_out_flags(min(NR, nc - jr), NR, yt, 1, <real>1, beta,
                                            kb == 0, stream)
+                    if n_pan == 2 and flags >= 0:
+                        if real is float:
+                            half = (mr + 1) // 2
+                            fc_shared_runs_pair_kernel_f32(
+                                half, n_runs, block_off, <const float* const*>(pixels + i0),
+                                run_len, bblk + jr * blk.kc, bblk + (jr + NR) * blk.kc, yt, rsy,
+                                flags, tile_bias, tile_act)
+                            if mr > half:
+                                fc_shared_runs_pair_kernel_f32(
+                                    mr - half, n_runs, block_off,
+                                    <const float* const*>(pixels + i0 + half), run_len,
+                                    bblk + jr * blk.kc, bblk + (jr + NR) * blk.kc,
+                                    yt + half * rsy, rsy, flags, tile_bias, tile_act)
+                        jp += 2
+                        continue
                     if flags >= 0:
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
                     else:
@@ -609,6 +641,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                     if out == acc:
                         write_tile(acc, NR, yt, rsy, 1, mr, min(NR, nc - jr), 1, beta,
                                    kb == 0, tile_bias, tile_act, stream)
+                    jp += 1
     if stream:
         fc_store_fence()
 

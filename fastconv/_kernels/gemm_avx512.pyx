@@ -21,6 +21,11 @@ cdef extern from *:
     #define FC_S_NR 32
     #define FC_S_KC 384
     #define FC_S_NC 512
+    /* Implicit-GEMM tiles also as 6 x 64 (two B panels at once: 24
+       accumulators, 4 B vectors + 1 broadcast), which reads each pixel's
+       runs once per 64 output channels instead of per 32: see
+       multiply_pixel_rows. */
+    #define FC_S_PAIR_MR 6
     #define FC_D_MR 14
     #define FC_D_NR 16
     #define FC_D_KC 256

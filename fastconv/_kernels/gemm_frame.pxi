@@ -25,6 +25,7 @@ from cython.parallel cimport prange
 cdef extern from "micro_kernel.h":
     enum:
         S_MR "FC_S_MR"
+        S_PAIR_MR "FC_S_PAIR_MR"
         S_NR "FC_S_NR"
         S_KC "FC_S_KC"
         S_NC "FC_S_NC"
@@ -53,6 +54,10 @@ cdef extern from "micro_kernel.h":
                                    const double* const* pix, Py_ssize_t kc, const double* b,
                                    double* out, Py_ssize_t rso, int flags, const double* bias,
                                    int act) noexcept nogil
+    void fc_shared_runs_pair_kernel_f32(int mr, Py_ssize_t nruns, const Py_ssize_t* run_off,
+                                        const float* const* pix, Py_ssize_t kc, const float* b,
+                                        const float* b2, float* out, Py_ssize_t rso, int flags,
+                                        const float* bias, int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil

@@ -93,9 +93,11 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 #define FC_K_STEP(T, MR, NR, KSTEP)                                             \
     {                                                                           \
         VEC bv[NV];                                                             \
-        /* memcpy: an unaligned-safe vector load the compiler folds. */         \
+        /* memcpy: an unaligned-safe vector load the compiler folds.  The    \
+           vectors past the panel's NR come from the paired panel b2. */      \
         FC_UNROLL for (int j = 0; j < NV; j++)                                  \
-            memcpy(&bv[j], b + j * VL, FC_VBYTES);                              \
+            memcpy(&bv[j], j < NVP ? b + j * VL : b2 + (j - NVP) * VL,          \
+                   FC_VBYTES);                                                  \
         FC_UNROLL for (int i = 0; i < (MR); i++) {                              \
             T ai;                                                               \
             memcpy(&ai, a + off[i], sizeof(T));                                 \
@@ -104,13 +106,22 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         }                                                                       \
         a += (KSTEP);                                                           \
         b += (NR);                                                              \
+        b2 += (NR);                                                             \
     }
 
 #define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP, PF)               \
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, 1, NRUNS, ROW, KSTEP, PF, b)
+
+/* PANELS 1: the R x NR tile of the panel at b; 2: the R x 2NR tile of the
+ * panels at b and b2 side by side (out's columns NR.. are b2's). */
+#define FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, PANELS, NRUNS, ROW, KSTEP, PF, \
+                              B2)                                               \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
-        enum { VL = FC_VBYTES / sizeof(T), NV = (NR) / VL };                    \
+        enum { VL = FC_VBYTES / sizeof(T), NVP = (NR) / VL,                     \
+               NV = NVP * (PANELS) };                                           \
+        const T *b2 = (B2);                                                     \
         VEC c[MR][NV];                                                          \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
             FC_UNROLL for (int j = 0; j < NV; j++)                              \
@@ -199,6 +210,21 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, out, rso, flags,    \
                                             bias, act); break;
 
+
+/* Two adjacent NR panels at once (b, b2): an R x 2NR tile, for builds
+ * whose registers hold it at FC_S_PAIR_MR rows (see multiply_pixel_rows). */
+#define FC_DEFINE_PAIR_KERNEL(SUFFIX, T, R, NR)                                  \
+    static inline void fc_shared_runs_pair_kernel_##SUFFIX##_##R(               \
+        ptrdiff_t nruns, const ptrdiff_t *restrict run_off,                     \
+        const T *const *restrict pix, ptrdiff_t kc, const T *restrict b,        \
+        const T *restrict b2_, T *restrict out, ptrdiff_t rso, int flags,       \
+        const T *restrict bias, int act)                                        \
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, nruns, FC_SHARED_RUNS_ROW,       \
+                          sizeof(T), 0, b2_)
+#define FC_PAIR_CASE(SUFFIX, T, R, NR)                                           \
+    case R: fc_shared_runs_pair_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc,  \
+                                                      b, b2, out, rso, flags,   \
+                                                      bias, act); break;
 
 #define FC_SHARED_RUNS_CASE(SUFFIX, T, R, NR)                                    \
     case R: fc_shared_runs_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc, b, out, \
@@ -500,9 +526,41 @@ static inline void fc_store_fence(void)
 #if FC_S_MR > 16 || FC_D_MR > 16
 #error "micro-kernels exist for at most 16 rows"
 #endif
+#ifndef FC_S_PAIR_MR
+#define FC_S_PAIR_MR 0
+#endif
 FC_DEFINE_MICRO_KERNELS(f32, float, int, FC_S_NR)
 FC_DEFINE_MICRO_KERNELS(f64, double, long long, FC_D_NR)
 FC_DEFINE_DOT(f32, float)
+/* The float32 paired-panel kernels, 1..FC_S_PAIR_MR rows (6: 24 zmm
+ * accumulators); a build without them (FC_S_PAIR_MR 0) never calls the
+ * dispatcher. */
+#if FC_S_PAIR_MR == 6
+FC_DEFINE_PAIR_KERNEL(f32, float, 1, FC_S_NR)
+FC_DEFINE_PAIR_KERNEL(f32, float, 2, FC_S_NR)
+FC_DEFINE_PAIR_KERNEL(f32, float, 3, FC_S_NR)
+FC_DEFINE_PAIR_KERNEL(f32, float, 4, FC_S_NR)
+FC_DEFINE_PAIR_KERNEL(f32, float, 5, FC_S_NR)
+FC_DEFINE_PAIR_KERNEL(f32, float, 6, FC_S_NR)
+#elif FC_S_PAIR_MR != 0
+#error "paired-panel kernels exist for 6 rows"
+#endif
+static inline void fc_shared_runs_pair_kernel_f32(
+    int mr, ptrdiff_t nruns, const ptrdiff_t *run_off, const float *const *pix,
+    ptrdiff_t kc, const float *b, const float *b2, float *out, ptrdiff_t rso,
+    int flags, const float *bias, int act)
+{
+#if FC_S_PAIR_MR == 6
+    switch (mr) {
+        FC_PAIR_CASE(f32, float, 1, FC_S_NR) FC_PAIR_CASE(f32, float, 2, FC_S_NR)
+        FC_PAIR_CASE(f32, float, 3, FC_S_NR) FC_PAIR_CASE(f32, float, 4, FC_S_NR)
+        FC_PAIR_CASE(f32, float, 5, FC_S_NR) FC_PAIR_CASE(f32, float, 6, FC_S_NR)
+    }
+#else
+    (void)mr; (void)nruns; (void)run_off; (void)pix; (void)kc; (void)b; (void)b2;
+    (void)out; (void)rso; (void)flags; (void)bias; (void)act;
+#endif
+}
 FC_DEFINE_PACK_BT(f32, float, FC_S_NR)
 FC_DEFINE_PACK_BT(f64, double, FC_D_NR)
 FC_DEFINE_TRANSPOSE_BLOCK(f32, float)
