@@ -81,7 +81,9 @@
  *
  * One kernel per row count R = 1..16, so a short last panel of A (M = 49 =
  * 4*12 + 1) costs R rows of work instead of MR; the dispatchers below pick
- * one.  Kernels with R above the build's MR are never called.
+ * one.  Kernels with R above the build's MR are never called.  The
+ * implicit GEMM also has a paired-panel kernel (FC_S_PAIR_MR rows x 2 NR:
+ * two adjacent packed panels at once) for builds that define it.
  *
  * ROW(t, i) points at the first value of run t of row i; at the start of
  * each run the kernel turns the R pointers into byte offsets from row 0's
