@@ -407,8 +407,8 @@ cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides 
         sh.pitch = sh.width
     cdef Py_ssize_t row_step = max(sh.pitch, -sh.pitch)
     sh.lead = max(0, -span_w) + max(0, -(g.KH - 1) * sh.pitch)
-    # Slots a multiple of 2 KiB apart would put a tile's pixels in one L1
-    # set (as patch_ld pads patch rows).
+    # Slots (and bands) a multiple of 2 KiB apart would put a tile's pixels
+    # in one L1 set (as patch_ld pads patch rows).
     sh.slot = sh.width
     if (sh.slot * <Py_ssize_t>sizeof(real)) % 2048 == 0:
         sh.slot += A_PANEL_PAD
@@ -417,6 +417,8 @@ cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides 
     else:
         sh.per_band = (row_step - sh.width) // sh.slot + 1
     sh.band_size = (g.KH - 1) * row_step + (sh.per_band - 1) * sh.slot + sh.width
+    if (sh.band_size * <Py_ssize_t>sizeof(real)) % 2048 == 0:
+        sh.band_size += A_PANEL_PAD
     return sh
 
 
