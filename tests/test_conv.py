@@ -1049,17 +1049,22 @@ def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation,
     rng = np.random.default_rng(H * W + sum(kernel))
     C = 6
     base = rng.standard_normal((2, H, W, 2 * C if "slice" in view else C))
-    x = base[..., :C]
-    if "columns" in view or "both" in view:
-        x = x[:, :, ::-1]
-    if "rows" in view or "both" in view:
-        x = x[:, ::-1]
+
+    def the_view(b):
+        v = b[..., :C]
+        if "columns" in view or "both" in view:
+            v = v[:, :, ::-1]
+        if "rows" in view or "both" in view:
+            v = v[:, ::-1]
+        return v
+
+    x, x32 = the_view(base), the_view(base.astype(np.float32))
+    assert x32.strides[1:3] == tuple(s // 2 for s in x.strides[1:3])
     w = rng.standard_normal((OC, *kernel, C))
     kwargs = dict(stride=stride, dilation=dilation, padding=padding)
     with fastconv._dispatch.use_isa(isa):
         y = conv2d(x, w, **kwargs, algorithm="implicit")
-        y32 = conv2d(x.astype(np.float32), w.astype(np.float32), **kwargs,
-                     algorithm="implicit")
+        y32 = conv2d(x32, w.astype(np.float32), **kwargs, algorithm="implicit")
     ref = F.conv2d(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))),
                    torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2))), None,
                    stride, padding, dilation).numpy().transpose(0, 2, 3, 1)

@@ -148,11 +148,11 @@ cdef Py_ssize_t pack_all_bytes = 8 * 1024 * 1024
 # of 0.8-3.2 MB: 3136x256x64 414 -> 461 (1 thread 222 -> 245), 3136x128x64
 # 416 -> 462, 784x1024x256 443 -> 466, 1x1 64->256 @56 b1 427 -> 469, 7x7/2
 # stem b1 430 -> 451, 1x1/2 256->512 @56 b1 456 -> 467, depthwise 3x3 32
-# @112 b1 129 -> 138 (fewer than 1 MiB of output, 512 KiB: +0-3 %); no layer
-# of bench_conv slower; ResNet-18 b1 and b8 and a 1x1-3x3-1x1 bottleneck
-# (whose next layer reads the output) within the noise (bottleneck b1
-# 0.665 -> 0.650 ms median; 0.683 at 512 KiB).  A variable so that tests
-# can drive the streaming path with small products.
+# @112 b1 129 -> 138; no layer of bench_conv slower; ResNet-18 b1 and b8
+# and a 1x1-3x3-1x1 bottleneck (whose next layer reads the output) within
+# the noise (bottleneck b1 0.665 -> 0.650 ms median).  512 KiB gained 0-3 %
+# more on outputs of 0.8 MB but slowed the bottleneck (0.683 ms).  A
+# variable so that tests can drive the streaming path with small products.
 cdef Py_ssize_t stream_bytes = 1024 * 1024
 
 
