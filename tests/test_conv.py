@@ -1029,6 +1029,9 @@ def test_implicit_gemm_paths_match_torch(N, H, W, C, OC, k, s, d, p, dtype, thre
     ("rows reversed", 2, 4, (3, 5), (1, 1), (1, 2), (1, 4)),
     # one kernel row: a single band of windows
     ("contiguous", 6, 9, (1, 5), (1, 1), (1, 1), (0, 2)),
+    # rows 400 apart: a band at the image's pitch would outweigh the patch
+    # rows, so the windows take their own (every pixel a shadow)
+    ("rows far apart", 6, 7, (3, 3), (1, 1), (1, 1), (1, 1)),
 ])
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -1050,8 +1053,12 @@ def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation,
     C = 6
     base = rng.standard_normal((2, H, W, 2 * C if "slice" in view else C))
 
+    if "far apart" in view:
+        base = rng.standard_normal((2, 400 * H, W, C))
+
     def the_view(b):
-        v = b[..., :C]
+        v = b[:, ::400] if "far apart" in view else b
+        v = v[..., :C]
         if "columns" in view or "both" in view:
             v = v[:, :, ::-1]
         if "rows" in view or "both" in view:

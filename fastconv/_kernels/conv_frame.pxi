@@ -394,16 +394,18 @@ cdef struct ShadowLayout:
 
 
 cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides xs,
-                                Py_ssize_t pixels) noexcept nogil:
-    # For chunks of up to pixels pixels.  |DH*xs.h| < width only where no
-    # pixel is inside the image (a kernel wider than the image): the
-    # windows then take their own pitch, which the run offsets follow
-    # (shadows only).
+                                Py_ssize_t pixels, bint own_pitch) noexcept nogil:
+    # For chunks of up to pixels pixels.  own_pitch: the windows' rows
+    # width apart, not the image's (then no pixel can be read in place:
+    # the run offsets follow the shadows).  Taken where |DH*xs.h| < width,
+    # where no pixel is inside the image anyway (a kernel wider than the
+    # image), and by conv_forward_nogil for a view whose rows are so far
+    # apart that one band would outweigh the chunk's patch rows.
     cdef ShadowLayout sh
     cdef Py_ssize_t span_w = (g.KW - 1) * g.DW * xs.w     # tap kw = KW-1's offset
     sh.width = max(span_w, -span_w) + g.C
     sh.pitch = g.DH * xs.h
-    if max(sh.pitch, -sh.pitch) < sh.width:
+    if own_pitch or max(sh.pitch, -sh.pitch) < sh.width:
         sh.pitch = sh.width
     cdef Py_ssize_t row_step = max(sh.pitch, -sh.pitch)
     sh.lead = max(0, -span_w) + max(0, -(g.KH - 1) * sh.pitch)
@@ -715,7 +717,9 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # Every pixel reads its taps at the same offsets, in the image or in
     # its shadow window (whose pitch is the image's, unless no pixel is
     # inside the image; see shadow_layout).
-    cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, R)
+    cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, R, False)
+    if shadow_size(&sh, R) > 2 * R * ld:
+        sh = shadow_layout(<real>0, g, xs, R, True)
     cdef bint use_taps = taps_path_ok(g, xs, <real>0) and sh.pitch == g.DH * xs.h
     for kh in range(g.KH):
         for kw in range(g.KW):
