@@ -1079,6 +1079,25 @@ def test_implicit_gemm_shadow_windows(isa, view, H, W, kernel, stride, dilation,
     assert_close(y32, ref, np.float32, w[0].size, "float32 output")
 
 
+def test_shadow_windows_of_far_apart_rows_stay_small():
+    """A view whose rows are far apart (here 2000 image rows) must not size
+    the shadow windows by its row stride: at the image's pitch one band of
+    a 3x3 layer's windows would span two such strides (1.3 MB a thread);
+    the windows take their own pitch instead and the call's workspace stays
+    that of a few dozen patch rows (nothing kept in the 128 KiB cache)."""
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((1, 2000 * 6, 7, 6)).astype(np.float32)
+    x = base[:, ::2000]
+    w = rng.standard_normal((20, 3, 3, 6)).astype(np.float32)
+    fastconv.release_workspace()
+    y = conv2d(x, w, padding=1, algorithm="implicit")
+    assert fastconv.release_workspace() < 128 * 1024
+    ref = F.conv2d(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))),
+                   torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2))),
+                   None, 1, 1).numpy().transpose(0, 2, 3, 1)
+    assert_close(y, ref.astype(np.float64), np.float32, w[0].size, "output")
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("kernel, stride, dilation, padding", [
     ((3, 5), (2, 1), (2, 1), (2, 2)),   # rows dilated, taps along a row adjacent

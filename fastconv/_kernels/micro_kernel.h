@@ -232,9 +232,11 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     case R: fc_shared_runs_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc, b, out, \
                                                  rso, flags, bias, act); break;
 
-#define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
+#define FC_FOR_6_ROWS(X, SUFFIX, T, NR)                                          \
     X(SUFFIX, T, 1, NR) X(SUFFIX, T, 2, NR) X(SUFFIX, T, 3, NR)                 \
-    X(SUFFIX, T, 4, NR) X(SUFFIX, T, 5, NR) X(SUFFIX, T, 6, NR)                 \
+    X(SUFFIX, T, 4, NR) X(SUFFIX, T, 5, NR) X(SUFFIX, T, 6, NR)
+#define FC_FOR_ROWS(X, SUFFIX, T, NR)                                            \
+    FC_FOR_6_ROWS(X, SUFFIX, T, NR)                                             \
     X(SUFFIX, T, 7, NR) X(SUFFIX, T, 8, NR) X(SUFFIX, T, 9, NR)                 \
     X(SUFFIX, T, 10, NR) X(SUFFIX, T, 11, NR) X(SUFFIX, T, 12, NR)              \
     X(SUFFIX, T, 13, NR) X(SUFFIX, T, 14, NR) X(SUFFIX, T, 15, NR)              \
@@ -538,12 +540,7 @@ FC_DEFINE_DOT(f32, float)
  * accumulators); a build without them (FC_S_PAIR_MR 0) never calls the
  * dispatcher. */
 #if FC_S_PAIR_MR == 6
-FC_DEFINE_PAIR_KERNEL(f32, float, 1, FC_S_NR)
-FC_DEFINE_PAIR_KERNEL(f32, float, 2, FC_S_NR)
-FC_DEFINE_PAIR_KERNEL(f32, float, 3, FC_S_NR)
-FC_DEFINE_PAIR_KERNEL(f32, float, 4, FC_S_NR)
-FC_DEFINE_PAIR_KERNEL(f32, float, 5, FC_S_NR)
-FC_DEFINE_PAIR_KERNEL(f32, float, 6, FC_S_NR)
+FC_FOR_6_ROWS(FC_DEFINE_PAIR_KERNEL, f32, float, FC_S_NR)
 #elif FC_S_PAIR_MR != 0
 #error "paired-panel kernels exist for 6 rows"
 #endif
@@ -553,11 +550,7 @@ static inline void fc_shared_runs_pair_kernel_f32(
     int flags, const float *bias, int act)
 {
 #if FC_S_PAIR_MR == 6
-    switch (mr) {
-        FC_PAIR_CASE(f32, float, 1, FC_S_NR) FC_PAIR_CASE(f32, float, 2, FC_S_NR)
-        FC_PAIR_CASE(f32, float, 3, FC_S_NR) FC_PAIR_CASE(f32, float, 4, FC_S_NR)
-        FC_PAIR_CASE(f32, float, 5, FC_S_NR) FC_PAIR_CASE(f32, float, 6, FC_S_NR)
-    }
+    switch (mr) { FC_FOR_6_ROWS(FC_PAIR_CASE, f32, float, FC_S_NR) }
 #else
     (void)mr; (void)nruns; (void)run_off; (void)pix; (void)kc; (void)b; (void)b2;
     (void)out; (void)rso; (void)flags; (void)bias; (void)act;
