@@ -539,6 +539,37 @@ def test_streamed_c_epilogue(isa, dtype, M, N, K, activation):
 
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["stored", "streamed"])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_paired_panels(isa, nt, streamed):
+    """The AVX-512 float32 frame multiplies shallow K blocks (K <= 128) two
+    B panels at a time, each row tile in two halves (6 x 64 tiles): every
+    row count of a tile (M = 1..25, odd halves), a lone or partial panel
+    after the pairs (N = 64, 65, 96, 127, 160), A in place or copied (rows
+    2 KiB apart), alpha/beta on C, bias and relu6 fused, C stored plainly
+    or streamed (threshold 0), 1 and 2 threads; on the other builds the
+    same calls run the single-panel path."""
+    rng = rng_for("pairs", isa, nt, streamed)
+    fastconv.set_num_threads(nt)
+    setting = kernel_setting("set_stream_bytes", 0) if streamed else contextlib.nullcontext()
+    with setting, _dispatch.use_isa(isa) as k:
+        for M in (1, 2, 7, 11, 12, 13, 23, 25, 61):
+            for N in (64, 65, 96, 127, 160):
+                for K in (1, 64, 128):
+                    wide = randn(rng, (M, 512), np.float32)
+                    for a in (np.ascontiguousarray(wide[:, :K]), wide[:, :K]):
+                        b, c = randn(rng, (K, N), np.float32), randn(rng, (M, N), np.float32)
+                        got = GEMM[np.float32](0.75, a, b, -1.5, c)
+                        check_gemm(got, 0.75, a, b, -1.5, c, np.float32)
+                        bias = randn(rng, (N,), np.float32)
+                        out = empty_aligned((M, N), np.float32)
+                        k.gemm(1.0, a, b, 0.0, out, nt, bias, 2)
+                        ref = np.clip(a.astype(np.float64) @ b + bias, 0, 6)
+                        scale = np.abs(a.astype(np.float64)) @ np.abs(b) + np.abs(bias)
+                        bound = np.finfo(np.float32).eps * (4 * math.sqrt(K) + 4) * scale
+                        assert np.all(np.abs(out - ref) <= bound), (M, N, K)
+
+
 # ------------------------------------------------------------- threads
 
 THREAD_SHAPES = [

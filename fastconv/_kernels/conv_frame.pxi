@@ -353,7 +353,7 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          const real* bpack, Py_ssize_t nc_blk,
                          Py_ssize_t js, Py_ssize_t n_js,
                          real* c, Py_ssize_t rsc, real beta,
-                         const real* bias) noexcept nogil:
+                         const real* bias, bint pairs=False) noexcept nogil:
     # c[rows, share js of n_js of the columns] = a @ B (+ beta*c, + bias),
     # one thread, B prepacked by pack_b_blocks; a row-major (unit column
     # stride), so macro_kernel has no A.T rows to prefetch (next_kc 0).
@@ -370,7 +370,7 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
                          a + blocks[kb].k0 * csa, rsa, csa,
                          bpack + (jb * n_kb + kb) * kc_max * nc_blk,
                          c + jc, rsc, 1, 1, beta, kb == 0,
-                         NULL if bias == NULL else bias + jc, ACT_NONE, 0)
+                         NULL if bias == NULL else bias + jc, ACT_NONE, 0, pairs)
 
 
 cdef struct ShadowLayout:
@@ -1008,7 +1008,7 @@ cdef int conv_grad_input_nogil(const ConvGeom* g, const real* dy, Py_ssize_t rsd
         while m0 < rows.hi:
             m1 = min(rows.hi, m0 + R)
             multiply_chunk(m1 - m0, blocks, n_kb, K, dy + m0 * rsdy, rsdy, 1, bpack,
-                           nc_blk, 0, 1, buf, ld, 0, NULL)
+                           nc_blk, 0, 1, buf, ld, 0, NULL, True)
             col2im_rows_add(g, buf, ld, m0, m1, ih0, ih1, dx, xs, overwrite)
             m0 = m1
         if overwrite:

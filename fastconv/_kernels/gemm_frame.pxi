@@ -58,6 +58,10 @@ cdef extern from "micro_kernel.h":
                                         const float* const* pix, Py_ssize_t kc, const float* b,
                                         const float* b2, float* out, Py_ssize_t rso, int flags,
                                         const float* bias, int act) noexcept nogil
+    void fc_micro_pair_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t rsa,
+                                  Py_ssize_t pf, const float* b, const float* b2, float* out,
+                                  Py_ssize_t rso, int flags, const float* bias,
+                                  int act) noexcept nogil
     float fc_dot_f32(const float* a, const float* x, Py_ssize_t n) noexcept nogil
     void fc_pack_bt_f32(Py_ssize_t kc, Py_ssize_t nr, const float* b, Py_ssize_t csb,
                         float* dst) noexcept nogil
@@ -110,6 +114,9 @@ cdef enum:
     # the L1 set stride.
     A_PANEL_PAD = 16
     MAX_PANEL = S_MR * (S_KC + 16) + D_MR * (D_KC + 16)
+    # macro_kernel_ld multiplies pairs of B panels (S_PAIR_MR x 2 NR tiles)
+    # for K blocks up to this deep; see there.
+    PAIR_MAX_KC = 128
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -444,10 +451,10 @@ cdef inline void macro_kernel(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc,
                               const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                               const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                               real alpha, real beta, bint first, const real* bias,
-                              int act, Py_ssize_t next_kc) noexcept nogil:
+                              int act, Py_ssize_t next_kc, bint pairs=False) noexcept nogil:
     # B's NR panels packed kc deep, one after another.
     macro_kernel_ld(mc, nc, kc, kc, jp0, jp1, a, rsa, csa, bpack, c, rsc, csc, alpha, beta,
-                    first, bias, act, False, next_kc)
+                    first, bias, act, False, next_kc, pairs)
 
 
 cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_t ldb,
@@ -455,7 +462,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                           const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                           real alpha, real beta, bint first, const real* bias,
-                          int act, bint stream, Py_ssize_t next_kc) noexcept nogil:
+                          int act, bint stream, Py_ssize_t next_kc,
+                          bint pairs=False) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block.  A row-major A is not packed into k-major panels
     # (see micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
@@ -496,7 +504,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef const real* ap
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, pr0, pr1, ars = kc + A_PANEL_PAD if copy_a else rsa
-    cdef Py_ssize_t rso, pf
+    cdef Py_ssize_t rso, pf, n_pan, half
     cdef real* out
     # write_tile adds the bias with the first K block only.
     cdef const real* tile_bias = bias if first else NULL
@@ -518,13 +526,35 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
-        for jp in range(jp0, jp1):
+        jp = jp0
+        while jp < jp1:
             jr = jp * NR
+            ct = c + ir * rsc + jr * csc
+            # Finished by the kernel into C, or into acc for write_tile.
+            flags = tile_out_flags(min(NR, nc - jr), NR, ct, csc, alpha, beta, first, stream)
+            # pairs (the caller's choice) on a build with paired kernels
+            # (S_PAIR_MR): two full B panels at once where A has rows and the
+            # block is shallow, for which the 12 x 32 tile stores its 12 rows
+            # after few k steps.  Zen 5, 2 threads, in one process
+            # alternating, best GFLOPS 12x32 -> pairs of 6x64: 12544x128x64
+            # 492 -> 515, 3136x256x64 479 -> 497, 6272x512x128 516 -> 521;
+            # 1x1 64->256 @56 b8 (gemm1x1) 477 -> 506, the input gradients
+            # of 1x1 256->64 @56 (K = 64) b1 473 -> 492, b8 480 -> 501.
+            # Deeper blocks gained nothing (3136x256x192, 784x1024x256) or
+            # lost (2048^3 -5 % median: the pair's 2 x kc x NR panel is read
+            # from L2 for every 6 rows), as did A.T views (a 1x1 weight
+            # gradient dy^T @ x, 64->256 @56 b8, -22 %) and Winograd's
+            # products (3x3 128->128 @28 b8 -10 %; its callers pass False).
+            n_pan = 1
+            if (real is float and S_PAIR_MR > 0 and pairs and not kmajor_a
+                    and kc <= PAIR_MAX_KC and jp + 1 < jp1 and nc - jr >= 2 * NR
+                    and flags >= 0):
+                n_pan = 2
             pf = 0
             if next_rows > 0:
-                # This panel's share of the next slice's rows.
+                # These panels' share of the next slice's rows.
                 pr0 = ir + mr + share_start(jp - jp0, next_rows, jp1 - jp0)
-                pr1 = ir + mr + share_start(jp - jp0 + 1, next_rows, jp1 - jp0)
+                pr1 = ir + mr + share_start(jp - jp0 + n_pan, next_rows, jp1 - jp0)
                 if in_place_a:
                     # The first panel's kernel asks for them as it goes
                     # (see above; when the next slice is a row shorter, for
@@ -541,9 +571,21 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 if csc == 1 and not stream:
                     fc_prefetchw_rows(c + pr0 * rsc + jp0 * NR, pr1 - pr0, rsc * sizeof(real),
                                       (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
-            ct = c + ir * rsc + jr * csc
-            # Finished by the kernel into C, or into acc for write_tile.
-            flags = tile_out_flags(min(NR, nc - jr), NR, ct, csc, alpha, beta, first, stream)
+            if n_pan == 2:
+                # Two full panels at once, the slice's rows in two halves:
+                # each row of A is read once per 2*NR columns of C.
+                if real is float:
+                    out_bias = NULL if tile_bias == NULL else tile_bias + jr
+                    half = (mr + 1) // 2
+                    fc_micro_pair_kernel_f32(half, kc, ap, ars, pf, bpack + jr * ldb,
+                                             bpack + (jr + NR) * ldb, ct, rsc, flags, out_bias,
+                                             act)
+                    if mr > half:
+                        fc_micro_pair_kernel_f32(mr - half, kc, ap + half * ars, ars, pf,
+                                                 bpack + jr * ldb, bpack + (jr + NR) * ldb,
+                                                 ct + half * rsc, rsc, flags, out_bias, act)
+                jp += 2
+                continue
             if flags >= 0:
                 out, rso, out_act = ct, rsc, act
                 out_bias = NULL if tile_bias == NULL else tile_bias + jr
@@ -566,6 +608,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             if out == acc:
                 write_tile(acc, NR, ct, rsc, csc, mr, min(NR, nc - jr), alpha, beta, first,
                            NULL if bias == NULL else bias + jr, act, stream)
+            jp += 1
     if stream:
         fc_store_fence()
 
@@ -727,7 +770,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                         c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
                                         pblk == 0, NULL if bias == NULL else bias + jc,
                                         act if pblk == n_kb - 1 else ACT_NONE, stream,
-                                        0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk))
+                                        0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk),
+                                        True)
         aligned_free(bbuf)
         return 0
 
@@ -754,7 +798,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                                  c + ic * rsc + jc * csc, rsc, csc, alpha, beta, first,
                                  NULL if bias == NULL else bias + jc,
                                  act if pblk == n_kb - 1 else ACT_NONE,
-                                 0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk))
+                                 0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk),
+                                 True)
     aligned_free(bbuf)
     return 0
 

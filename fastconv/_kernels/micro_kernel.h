@@ -214,7 +214,9 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 
 /* Two adjacent NR panels at once (b, b2): an R x 2NR tile, for builds
- * whose registers hold it at FC_S_PAIR_MR rows (see multiply_pixel_rows). */
+ * whose registers hold it at FC_S_PAIR_MR rows (see multiply_pixel_rows and
+ * macro_kernel_ld), with shared runs or plain rows (the latter with pf, as
+ * fc_micro_kernel). */
 #define FC_DEFINE_PAIR_KERNEL(SUFFIX, T, R, NR)                                  \
     static inline void fc_shared_runs_pair_kernel_##SUFFIX##_##R(               \
         ptrdiff_t nruns, const ptrdiff_t *restrict run_off,                     \
@@ -222,11 +224,20 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b2_, T *restrict out, ptrdiff_t rso, int flags,       \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, nruns, FC_SHARED_RUNS_ROW,       \
-                          sizeof(T), 0, b2_)
+                          sizeof(T), 0, b2_)                                    \
+    static __attribute__((noinline)) void fc_micro_pair_kernel_##SUFFIX##_##R( \
+        ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, ptrdiff_t pf,        \
+        const T *restrict b, const T *restrict b2_, T *restrict out,            \
+        ptrdiff_t rso, int flags, const T *restrict bias, int act)              \
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, 1, FC_PLAIN_ROW, sizeof(T), pf,  \
+                          b2_)
 #define FC_PAIR_CASE(SUFFIX, T, R, NR)                                           \
     case R: fc_shared_runs_pair_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc,  \
                                                       b, b2, out, rso, flags,   \
                                                       bias, act); break;
+#define FC_MICRO_PAIR_CASE(SUFFIX, T, R, NR)                                     \
+    case R: fc_micro_pair_kernel_##SUFFIX##_##R(kc, a0, rsa, pf, b, b2, out,    \
+                                                rso, flags, bias, act); break;
 
 #define FC_SHARED_RUNS_CASE(SUFFIX, T, R, NR)                                    \
     case R: fc_shared_runs_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc, b, out, \
@@ -553,6 +564,18 @@ static inline void fc_shared_runs_pair_kernel_f32(
     switch (mr) { FC_FOR_6_ROWS(FC_PAIR_CASE, f32, float, FC_S_NR) }
 #else
     (void)mr; (void)nruns; (void)run_off; (void)pix; (void)kc; (void)b; (void)b2;
+    (void)out; (void)rso; (void)flags; (void)bias; (void)act;
+#endif
+}
+static inline void fc_micro_pair_kernel_f32(
+    int mr, ptrdiff_t kc, const float *a0, ptrdiff_t rsa, ptrdiff_t pf,
+    const float *b, const float *b2, float *out, ptrdiff_t rso, int flags,
+    const float *bias, int act)
+{
+#if FC_S_PAIR_MR == 6
+    switch (mr) { FC_FOR_6_ROWS(FC_MICRO_PAIR_CASE, f32, float, FC_S_NR) }
+#else
+    (void)mr; (void)kc; (void)a0; (void)rsa; (void)pf; (void)b; (void)b2;
     (void)out; (void)rso; (void)flags; (void)bias; (void)act;
 #endif
 }
