@@ -4,7 +4,10 @@ fastconv/_kernels/conv_frame.pxi.
 Three products make up every call (Cg = C / groups, K = KH*KW*Cg):
 
 * forward      y[pixels, OC]   = patches(x)[pixels, K] @ w2d.T (+ bias)
-* data grad    dx = col2im(dy[pixels, OC] @ w2d)
+* data grad    dx = col2im(dy[pixels, OC] @ w2d); or as convolutions of dy
+               that write dx once: with the flipped kernel (stride 1:
+               Winograd, depthwise, narrow groups), or one per phase of dx
+               with the taps that reach it (strided, _phase_data_grad)
 * weight grad  dw2d[OC, K]     = dy.T @ patches(x)
 
 where w2d is the (OC, KH, KW, Cg) weight viewed as (OC, K).  The kernels
@@ -24,6 +27,7 @@ run every group at once.
 NCHW results are NCHW-shaped views of NHWC memory (PyTorch's channels_last):
 feeding one into the next NCHW call needs no copy.
 """
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -473,6 +477,8 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
                 _channels_last(dy), _grouped_tap_weights(w2d, groups, geo.kernel, flip=True),
                 None, dx, *flipped[:4], nt)
             return dx
+    if geo.stride != (1, 1) and groups == 1 and C >= _PHASE_MIN_CHANNELS:
+        return _phase_data_grad(dy, w2d, geo, in_shape)
     dx = np.zeros(in_shape, dy.dtype)
     dy_rows = _unit_columns(_pixel_matrix(dy))
     if _groups_in_parallel(groups, nt):
@@ -498,6 +504,72 @@ def _flipped_geometry(geo, in_hw):
     (KH, KW), (DH, DW), (PT, PL) = geo.kernel, geo.dilation, geo.pad_before
     return _Geometry(geo.kernel, (1, 1), geo.dilation,
                      (DH * (KH - 1) - PT, DW * (KW - 1) - PL), tuple(in_hw))
+
+
+#: The phase form of a strided layer's input gradient (_phase_data_grad) for
+#: groups of at least this many input channels (the phases' output channels).
+_PHASE_MIN_CHANNELS = 32
+
+
+def _stride_phases(K, S, D, P, size, out):
+    """Along one axis of a strided layer (kernel K, stride S, dilation D,
+    padding P before, input size, output size out): for each phase p of
+    the input (indices p, p + S, ...), the stride-1 correlation of dy that
+    gives its gradient: (p, kernel taps in the order it reads them, its
+    dilation, its padding before, how many dy rows it skips).
+    Input index i = o*S - P + k*D takes tap k from output o, so phase p
+    gets the taps with k*D = p + P (mod S), from o = a + (p + P - k*D)/S
+    for its a-th index: offsets that grow by D/gcd(S, D) as k falls.  A
+    phase no tap reaches has no taps (its gradient is zero)."""
+    g = math.gcd(S, D)
+    phases = []
+    for p in range(min(S, size)):
+        taps = [k for k in range(K) if (p + P - k * D) % S == 0][::-1]
+        first = (p + P - taps[0] * D) // S if taps else 0
+        skip = max(0, first)
+        if not taps or skip >= out:
+            phases.append((p, [], 1, 0, 0))
+        else:
+            phases.append((p, taps, D // g, skip - first, skip))
+    return phases
+
+
+def _phase_data_grad(dy, w2d, geo, in_shape):
+    """The input gradient of a strided layer (one group) as S_H x S_W
+    stride-1 convolutions of dy, one per phase of dx (the pixels p + S*a,
+    q + S*b), each with the taps that reach it (a 3x3/2 layer: 1, 2, 2 and 4
+    of them), written straight into dx[:, p::S_H, q::S_W] by the implicit
+    GEMM, which packs the phase's weights from w2d's taps itself
+    (kernels.conv2d_forward_view): every element of dx once, from
+    registers, where dy @ w2d followed by col2im wrote and read back KH*KW
+    values a pixel and added them into a zeroed dx.  Zen 5, 2 threads, in
+    one process alternating, median GFLOPS col2im -> phases: 3x3/2 64->128
+    @56 b1 387 -> 420, b8 411 -> 405; 128->256 @28 b1 369 -> 411, b8 434
+    -> 440; 256->512 @14 b1 321 -> 359, b8 419 -> 460; 32->64 @112 b8 356
+    -> 405; 7x7/2 32->64 @224 b8 306 -> 388; 4x4/2 64->64 @64 b4 375 ->
+    449; 5x5/2 64->64 @56 b8 377 -> 445.  With 16 channels (the phases'
+    output channels, half a micro-panel) 225 -> 172: hence
+    _PHASE_MIN_CHANNELS.  Grouped layers keep col2im, whose results do not
+    depend on whether groups run in parallel."""
+    kernels, nt = _dispatch.kernels, get_num_threads()
+    _, H, W, C = in_shape
+    (KH, KW), (SH, SW), (DH, DW), (PT, PL), (OH, OW) = (
+        geo.kernel, geo.stride, geo.dilation, geo.pad_before, geo.out_hw)
+    dy = _channels_last(dy)
+    w2d = _unit_columns(w2d)
+    dx = np.empty(in_shape, dy.dtype)
+    for p, taps_h, dil_h, pad_h, skip_h in _stride_phases(KH, SH, DH, PT, H, OH):
+        for q, taps_w, dil_w, pad_w, skip_w in _stride_phases(KW, SW, DW, PL, W, OW):
+            out = dx[:, p::SH, q::SW]
+            if not taps_h or not taps_w:
+                out[...] = 0
+                continue
+            # The kernel packs the phase's weights from w2d's taps as it goes.
+            kernels.conv2d_forward_view(
+                dy[:, skip_h:, skip_w:], w2d, out, (len(taps_h), len(taps_w)),
+                (dil_h, dil_w), (pad_h, pad_w), [kh * KW + kw for kh in taps_h for kw in taps_w],
+                nt)
+    return dx
 
 
 def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):

@@ -553,6 +553,100 @@ def test_stride_larger_than_kernel_leaves_skipped_inputs_with_zero_gradient():
     assert np.all(gx[0][read] == 3) and np.all(gx[0][~read] == 0)
 
 
+def test_stride_phases_of_a_3x3_stride_2_layer():
+    """dx's even rows of a 3x3/2 layer padded by 1 take the middle tap from
+    the same output row; odd rows the last tap from that row and the first
+    from the next; stride 4 over a 3-tap kernel leaves a phase no tap
+    reaches, and one whose tap starts a row of dy later (skipped)."""
+    phases = fastconv.conv._stride_phases
+    assert phases(3, 2, 1, 1, 56, 28) == [(0, [1], 1, 0, 0), (1, [2, 0], 1, 0, 0)]
+    # i = 4*o - 1 + k: phase 3 is tap 0 of o = a + 1; phase 2 no tap
+    assert phases(3, 4, 1, 1, 17, 5) == [(0, [1], 1, 0, 0), (1, [2], 1, 0, 0),
+                                         (2, [], 1, 0, 0), (3, [0], 1, 0, 1)]
+    # dilation 2, stride 2, padding 2: every tap lands on even rows, d 1
+    assert phases(3, 2, 2, 2, 10, 5) == [(0, [2, 1, 0], 1, 1, 0), (1, [], 1, 0, 0)]
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    ((2, 56, 56, 64), (48, 3, 3, 64), dict(stride=2, padding=1)),          # ResNet's 3x3/2
+    ((1, 15, 13, 40), (24, 3, 3, 40), dict(stride=2, padding=1)),          # odd sizes
+    ((2, 16, 16, 32), (16, 4, 4, 32), dict(stride=2, padding=1)),          # 2x2 taps a phase
+    # overlapping windows (extent 5 > 4) with tapless phases and one whose
+    # tap starts a row of dy later
+    ((1, 17, 19, 33), (8, 3, 3, 33), dict(stride=4, dilation=2, padding=3)),
+    ((1, 20, 18, 32), (12, 3, 3, 32), dict(stride=(2, 3), dilation=(2, 1), padding=(2, 1))),
+    ((1, 9, 9, 48), (16, 1, 3, 48), dict(stride=(1, 2), padding=(0, 1))),  # one axis strided
+    ((1, 23, 21, 32), (40, 7, 7, 32), dict(stride=2, padding=3)),          # a 7x7/2 stem
+])
+@pytest.mark.parametrize("dy_layout", ["contiguous", "channel-slice", "channels-strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_input_gradient_by_phases(isa, x_shape, w_shape, kwargs, dy_layout, dtype,
+                                          request, monkeypatch):
+    """A strided layer with at least _PHASE_MIN_CHANNELS input channels gets
+    its input gradient as one stride-1 convolution per phase of dx, each
+    written straight into dx[:, p::S, q::S] (conv._phase_data_grad): against
+    torch in float64, against the col2im form, and the same bits on 1 and 2
+    threads; for dy contiguous, a channel slice (pixels strided) and with
+    strided channels (copied)."""
+    assert x_shape[3] >= fastconv.conv._PHASE_MIN_CHANNELS
+    rng = np.random.default_rng(list(x_shape) + list(w_shape))
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = np.zeros(w_shape[0], dtype)
+    y = conv2d(x, w, **kwargs)
+    dy0 = rng.standard_normal(y.shape).astype(dtype)
+    if dy_layout == "channel-slice":
+        dy = np.zeros(y.shape[:3] + (y.shape[3] + 5,), dtype)[..., 2:2 + y.shape[3]]
+        dy[...] = dy0
+    elif dy_layout == "channels-strided":
+        dy = np.zeros(y.shape + (2,), dtype)[..., 0]
+        dy[...] = dy0
+    else:
+        dy = dy0
+    _, ref_gx, _, _ = torch_grads(x, w, b, dy0, **kwargs)
+    calls = []
+    by_phases = fastconv.conv._phase_data_grad
+    monkeypatch.setattr(fastconv.conv, "_phase_data_grad",
+                        lambda *args: calls.append(1) or by_phases(*args))
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    results = []
+    with fastconv._dispatch.use_isa(isa):
+        for nt in (1, 2):
+            fastconv.set_num_threads(nt)
+            gx, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False), **kwargs)
+            assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
+                         f"grad_input, {nt} threads")
+            results.append(gx)
+        fastconv.conv._PHASE_MIN_CHANNELS, saved = 10**9, fastconv.conv._PHASE_MIN_CHANNELS
+        try:
+            by_col2im, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False),
+                                              **kwargs)
+        finally:
+            fastconv.conv._PHASE_MIN_CHANNELS = saved
+    assert len(calls) == 2                  # the two runs above, not the col2im one
+    np.testing.assert_array_equal(results[0], results[1])
+    assert_close(results[0], by_col2im.astype(np.float64), dtype,
+                 w_shape[0] * w_shape[1] * w_shape[2], "phases vs col2im")
+
+
+def test_strided_conv_transpose2d_by_phases():
+    """conv_transpose2d is a data gradient: a stride-2 upsampling to 32
+    channels runs by phases, against torch in float64."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 9, 8, 24))
+    w = rng.standard_normal((24, 4, 4, 32))            # (C_in, KH, KW, C_out)
+    b = rng.standard_normal(32)
+    y = conv_transpose2d(x, w, b, stride=2, padding=1)
+    ref = F.conv_transpose2d(to_torch(x, "NHWC"),
+                             torch.from_numpy(np.ascontiguousarray(w.transpose(0, 3, 1, 2))),
+                             torch.from_numpy(b), stride=2, padding=1)
+    assert y.shape == (2, 18, 16, 32)
+    assert_close(y, from_torch(ref, "NHWC"), np.float64, 24 * 16, "conv_transpose2d")
+    assert 32 >= fastconv.conv._PHASE_MIN_CHANNELS
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("N, H, W, C, OC, k, s, d, pads", [
     (2, 56, 56, 40, 24, (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0))),   # 1x1/2 downsampling

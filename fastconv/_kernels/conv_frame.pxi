@@ -313,9 +313,27 @@ cdef inline Py_ssize_t packed_b_size(const KBlock* blocks, Py_ssize_t n_kb, Py_s
     return cdiv(N, nc_blk) * n_kb * max_block_depth(blocks, n_kb) * nc_blk
 
 
+cdef void pack_block_panel(const KBlock* blk, Py_ssize_t nr, const real* b, Py_ssize_t rsb,
+                           Py_ssize_t csb, const Py_ssize_t* tap_src, real* dst) noexcept nogil:
+    # nr columns of k-block blk of B (b at the first of them), packed as
+    # pack_b_panel lays them out: rows k0..k0+kc at b + k*rsb; or, given
+    # tap_src (forward blocks only, which hold whole taps), row (tap t,
+    # channel c) at b + tap_src[t] + c*rsb -- taps gathered from another
+    # layer's weight (see conv2d_forward_view).
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t t
+    if tap_src == NULL:
+        pack_b_panel(blk.kc, nr, b + blk.k0 * rsb, rsb, csb, dst)
+    else:
+        for t in range(blk.ntaps):
+            pack_b_panel(blk.cw, nr, b + tap_src[blk.t0 + t] + blk.c0 * rsb, rsb, csb,
+                         dst + t * blk.cw * NR)
+
+
 cdef void pack_b_blocks_into(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
                              const real* b, Py_ssize_t rsb, Py_ssize_t csb,
-                             Py_ssize_t nc_blk, int nt, real* dst) noexcept nogil:
+                             Py_ssize_t nc_blk, int nt, real* dst,
+                             const Py_ssize_t* tap_src=NULL) noexcept nogil:
     # All of B (K x N), packed once into dst (packed_b_size elements): block
     # (jb, kb) -- k-block kb, columns jb*nc_blk.. -- at offset
     # (jb * n_kb + kb) * kc_max * nc_blk, its NR panels inside as
@@ -333,18 +351,18 @@ cdef void pack_b_blocks_into(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N
         jc = jb * nc_blk + jp * NR
         if jc < N:
             for kb in range(n_kb):
-                pack_b_panel(blocks[kb].kc, min(NR, N - jc), b + blocks[kb].k0 * rsb + jc * csb,
-                             rsb, csb,
-                             dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
+                pack_block_panel(blocks + kb, min(NR, N - jc), b + jc * csb, rsb, csb, tap_src,
+                                 dst + (jb * n_kb + kb) * kc_max * nc_blk + jp * NR * blocks[kb].kc)
 
 
 cdef real* pack_b_blocks(const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t N,
                          const real* b, Py_ssize_t rsb, Py_ssize_t csb,
-                         Py_ssize_t nc_blk, int nt) noexcept nogil:
+                         Py_ssize_t nc_blk, int nt,
+                         const Py_ssize_t* tap_src=NULL) noexcept nogil:
     # pack_b_blocks_into a new aligned buffer; NULL when out of memory.
     cdef real* dst = <real*>aligned_malloc(packed_b_size(blocks, n_kb, N, nc_blk) * sizeof(real))
     if dst != NULL:
-        pack_b_blocks_into(blocks, n_kb, N, b, rsb, csb, nc_blk, nt, dst)
+        pack_b_blocks_into(blocks, n_kb, N, b, rsb, csb, nc_blk, nt, dst, tap_src)
     return dst
 
 
@@ -490,6 +508,15 @@ cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
                 m += 1
 
 
+cdef inline real* output_pixel(const ConvGeom* g, real* y, const ImageStrides* ys,
+                              Py_ssize_t m) noexcept nogil:
+    # Output pixel m = (n, oh, ow) of a view with strides ys.
+    cdef Py_ssize_t ohw = g.OH * g.OW
+    cdef Py_ssize_t n = m // ohw, r = m - n * ohw
+    cdef Py_ssize_t oh = r // g.OW
+    return y + n * ys.n + oh * ys.h + (r - oh * g.OW) * ys.w
+
+
 cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                               const Py_ssize_t* tap_off, const real** pixels, Py_ssize_t npix,
                               const KBlock* blocks, Py_ssize_t n_kb, Py_ssize_t OC,
@@ -498,7 +525,9 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                               const real* bias, int act, real* y, Py_ssize_t rsy,
                               bint stream, const real* w, Py_ssize_t rsw,
                               real* own_block, Py_ssize_t* block_off,
-                              real beta) noexcept nogil:
+                              real beta, Py_ssize_t m0=0,
+                              const ImageStrides* ys=NULL,
+                              const Py_ssize_t* tap_src=NULL) noexcept nogil:
     # y[the npix pixels, share js of the output channels] = patches @ w.T
     # (+ bias) (+ y when beta is 1): the forward's macro-kernel.  Up to MR
     # consecutive pixels are one tile, whatever output rows and borders they
@@ -509,8 +538,14 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # y's full tiles go out with non-temporal stores (can_stream).
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
     # own_block is given, this task packs its share of each block of w into
-    # own_block (one block, kc_max x nc_blk) just before multiplying it.
-    # tap_off holds the KH*KW taps' offsets, then the KH kernel rows'.
+    # own_block (one block, kc_max x nc_blk) just before multiplying it
+    # (w: OC rows rsw apart, or, given tap_src, gathered taps as in
+    # pack_block_panel, rows rsw apart).  tap_off holds the KH*KW taps' offsets, then the KH kernel rows'.
+    # Pixel i's output row is y + i*rsy; or, with ys (an output view whose
+    # rows are not evenly spaced, see conv_forward_nogil), pixel m0 + i's
+    # (n, oh, ow) at y + n*ys.n + oh*ys.h + ow*ys.w (rsy = ys.w): a tile
+    # within one output row is finished in place as any other, one that
+    # crosses a row end through acc, a row at a time.
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
@@ -526,6 +561,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     cdef Py_ssize_t rso
     cdef int flags, tile_act, out_act
     cdef Py_ssize_t n_pan, half
+    cdef real* y_tile
+    cdef bint split
     # With dense pixels and no dilation along rows, a kernel row's taps are
     # one run of KW*C values in the image (and in a shadow window): a
     # block of whole kernel rows is read as one run per row (7x7 over RGB:
@@ -572,14 +609,24 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
             if own_block != NULL:
                 for jp in range(jp0, jp1):
                     jr = jp * NR
-                    pack_b_panel(blk.kc, min(NR, nc - jr), w + blk.k0 + (jc + jr) * rsw,
-                                 1, rsw, own_block + jr * blk.kc)
+                    if tap_src == NULL:
+                        pack_block_panel(blk, min(NR, nc - jr), w + (jc + jr) * rsw, 1, rsw,
+                                         NULL, own_block + jr * blk.kc)
+                    else:
+                        pack_block_panel(blk, min(NR, nc - jr), w + jc + jr, rsw, 1, tap_src,
+                                         own_block + jr * blk.kc)
                 bblk = own_block
             else:
                 bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
             for ti in range(n_tiles):
                 i0 = share_start(ti, npix, n_tiles)
                 mr = share_start(ti + 1, npix, n_tiles) - i0
+                split = False
+                if ys == NULL:
+                    y_tile = y + i0 * rsy
+                else:
+                    y_tile = output_pixel(g, y, ys, m0 + i0)
+                    split = (m0 + i0) % g.OW + mr > g.OW
                 jp = jp0
                 while jp < jp1:
                     jr = jp * NR
@@ -596,7 +643,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                     # rather than another tile for every product.)
                     n_pan = 1
                     if (real is float and S_PAIR_MR > 0 and jp + 1 < jp1
-                            and nc - jr >= 2 * NR and mr <= 2 * S_PAIR_MR):
+                            and nc - jr >= 2 * NR and mr <= 2 * S_PAIR_MR and not split):
                         n_pan = 2
                     if prefetch_runs and ti + 1 < n_tiles:
                         # These panels' share of the next tile's pixels.
@@ -607,12 +654,12 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                             for r in range(n_runs):
                                 fc_prefetch_rows(pixels[nx0 + i] + block_off[r], 1, 0,
                                                  run_len * sizeof(real))
-                    yt = y + i0 * rsy + jc + jr
+                    yt = y_tile + jc + jr
                     tile_bias = NULL if bias == NULL or kb != 0 else bias + jc + jr
                     tile_act = act if kb == n_kb - 1 else ACT_NONE
                     # Finished by the kernel into y, or into acc for write_tile.
-                    flags = tile_out_flags(min(NR, nc - jr), NR, yt, 1, <real>1, beta,
-                                           kb == 0, stream)
+                    flags = -1 if split else tile_out_flags(min(NR, nc - jr), NR, yt, 1,
+                                                            <real>1, beta, kb == 0, stream)
                     if n_pan == 2 and flags >= 0:
                         if real is float:
                             half = (mr + 1) // 2
@@ -642,7 +689,13 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                                                   <const double* const*>(pixels + i0), run_len,
                                                   bblk + jr * blk.kc, out, rso, flags, out_bias,
                                                   out_act)
-                    if out == acc:
+                    if split:
+                        for i in range(mr):
+                            write_tile(acc + i * NR, NR,
+                                       output_pixel(g, y, ys, m0 + i0 + i) + jc + jr, rsy, 1,
+                                       1, min(NR, nc - jr), 1, beta, kb == 0, tile_bias,
+                                       tile_act, stream)
+                    elif out == acc:
                         write_tile(acc, NR, yt, rsy, 1, mr, min(NR, nc - jr), 1, beta,
                                    kb == 0, tile_bias, tile_act, stream)
                     jp += 1
@@ -654,10 +707,15 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                             const real* bias, int act, real* y, Py_ssize_t rsy,
                             const real* prepacked, int max_threads,
-                            bint accumulate=False) noexcept nogil:
+                            bint accumulate=False,
+                            const ImageStrides* ys=NULL,
+                            const Py_ssize_t* tap_src=NULL) noexcept nogil:
     # y[m, oc] = act(sum_k patches[m, k] * w[oc, k] (+ bias[oc]) (+ y[m, oc]
     # when accumulate: a residual the caller stored there)); w is OHWI
-    # flattened (OC x K, row stride rsw), y row m has stride rsy.  prepacked,
+    # flattened (OC x K, row stride rsw), y row m has stride rsy (or, given
+    # ys, y is an NHWC view with those strides, rsy = ys.w; with tap_src, w
+    # holds taps gathered from another layer's weight, see
+    # pack_block_panel).  prepacked,
     # when not NULL, is w as pack_conv_weights laid it out.  Implicit
     # GEMM with a pointer per pixel: pixels whose taps are all inside the
     # image are multiplied straight from it, the border pixels from their
@@ -713,7 +771,10 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     if pack_own:
         own_blocks = <real*>aligned_malloc(nt * own_size * sizeof(real))
     elif prepacked == NULL:
-        bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
+        if tap_src == NULL:
+            bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
+        else:
+            bpack = pack_b_blocks(blocks, n_kb, OC, w, rsw, 1, nc_blk, nt, tap_src)
     # Every pixel reads its taps at the same offsets, in the image or in
     # its shadow window (whose pitch is the image's, unless no pixel is
     # inside the image; see shadow_layout).
@@ -756,9 +817,9 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                         pixels + tid * R)
         multiply_pixel_rows(g, xs, tap_off, pixels + tid * R, m1 - m0,
                             blocks, n_kb, OC, bpack, nc_blk, task // n_ic, n_js, bias, act,
-                            y + m0 * rsy, rsy, stream, w, rsw,
+                            y if ys != NULL else y + m0 * rsy, rsy, stream, w, rsw,
                             own_blocks + tid * own_size if pack_own else NULL,
-                            block_offs + tid * n_off, <real>accumulate)
+                            block_offs + tid * n_off, <real>accumulate, m0, ys, tap_src)
     if prepacked == NULL:
         aligned_free(bpack)
         aligned_free(own_blocks)
@@ -1175,6 +1236,46 @@ def conv2d_forward(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :
         status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
                                     w.shape[0], bias_ptr, activation, &y[0, 0],
                                     y.strides[0] // item, packed_ptr, num_threads, accumulate)
+    if status != 0:
+        raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
+
+
+def conv2d_forward_view(const real[:, :, :, :] x, const real[:, :] w, real[:, :, :, :] y,
+                        kernel, dilation, pad_before, taps, int num_threads):
+    """y[...] = the stride-1 convolution of x (NHWC) into y, an NHWC view
+    (N, OH, OW, OC) with any pixel strides and contiguous channels (such as
+    dx[:, p::2, q::2]), whose KH*KW taps are taps of w: tap t, input
+    channel c, output channel o weighs w[c, taps[t]*OC + o].  w (C, T*OC)
+    is thus a layer's weight matrix (OC', T*C') read as its transposed
+    convolution's, C = OC', OC = C', with no copy: one phase of a strided
+    layer's input gradient (see conv._phase_data_grad)."""
+    check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
+    check_unit_stride(w.shape[1], w.strides[1], sizeof(real), "w")
+    check_unit_stride(y.shape[3], y.strides[3], sizeof(real), "y")
+    cdef ConvGeom g = make_geom(x.shape[0], x.shape[1], x.shape[2], x.shape[3],
+                                kernel, (1, 1), dilation, pad_before, (y.shape[1], y.shape[2]))
+    cdef Py_ssize_t OC = y.shape[3], T = g.KH * g.KW, t
+    if (y.shape[0] != g.N or w.shape[0] != g.C or OC == 0 or w.shape[1] % OC
+            or len(taps) != T or any(not 0 <= tap < w.shape[1] // OC for tap in taps)):
+        raise ValueError(f"y must be ({g.N}, OH, OW, OC) and w ({g.C}, T*OC) with "
+                         f"{T} taps below T; got y {tuple(y.shape)[:4]}, "
+                         f"w {tuple(w.shape)[:2]}, taps {list(taps)}")
+    if 0 in (g.N, g.H, g.W, g.C, g.OH, g.OW):
+        return
+    cdef Py_ssize_t item = sizeof(real)
+    cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
+    cdef ImageStrides ys = image_strides(y.strides[0], y.strides[1], y.strides[2], item)
+    cdef Py_ssize_t* tap_src = <Py_ssize_t*>malloc(T * sizeof(Py_ssize_t))
+    if tap_src == NULL:
+        raise MemoryError("conv2d: could not allocate the tap table")
+    for t in range(T):
+        tap_src[t] = taps[t] * OC
+    cdef int status
+    with nogil:
+        status = conv_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0], w.strides[0] // item,
+                                    OC, NULL, ACT_NONE, &y[0, 0, 0, 0], ys.w, NULL,
+                                    num_threads, False, &ys, tap_src)
+    free(tap_src)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the packed weights and chunk buffers")
 
