@@ -631,6 +631,25 @@ def test_strided_input_gradient_by_phases(isa, x_shape, w_shape, kwargs, dy_layo
                  w_shape[0] * w_shape[1] * w_shape[2], "phases vs col2im")
 
 
+def test_conv2d_forward_view_checks_its_arguments():
+    """The phase kernel refuses taps outside w and shapes that disagree (it
+    would read out of bounds), and zero-fills y from an empty image."""
+    kernels = fastconv._dispatch.kernels
+    x = np.ones((1, 4, 4, 8), np.float32)
+    w = np.ones((8, 9 * 6), np.float32)                 # 9 taps of 6 output channels
+    y = np.empty((1, 6, 5, 16), np.float32)[..., ::2, 2:8]
+    kernels.conv2d_forward_view(x, w, y, (2, 2), (1, 1), (0, 0), [8, 6, 2, 0], 1)
+    assert np.all(y[:, :3, :3] == 32) and np.all(y[:, 4:] == 0)
+    for bad_taps in ([8, 6, 2], [9, 6, 2, 0], [-1, 6, 2, 0]):
+        with pytest.raises(ValueError, match="taps"):
+            kernels.conv2d_forward_view(x, w, y, (2, 2), (1, 1), (0, 0), bad_taps, 1)
+    with pytest.raises(ValueError, match="y must be"):
+        kernels.conv2d_forward_view(x, w[:4], y, (2, 2), (1, 1), (0, 0), [8, 6, 2, 0], 1)
+    y[...] = 7
+    kernels.conv2d_forward_view(x[:, :0], w, y, (2, 2), (1, 1), (0, 0), [8, 6, 2, 0], 1)
+    assert np.all(y == 0)
+
+
 def test_strided_conv_transpose2d_by_phases():
     """conv_transpose2d is a data gradient: a stride-2 upsampling to 32
     channels runs by phases, against torch in float64."""

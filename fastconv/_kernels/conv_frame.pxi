@@ -540,7 +540,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # own_block is given, this task packs its share of each block of w into
     # own_block (one block, kc_max x nc_blk) just before multiplying it
     # (w: OC rows rsw apart, or, given tap_src, gathered taps as in
-    # pack_block_panel, rows rsw apart).  tap_off holds the KH*KW taps' offsets, then the KH kernel rows'.
+    # pack_block_panel, rows rsw apart).  tap_off holds the KH*KW taps'
+    # offsets, then the KH kernel rows'.
     # Pixel i's output row is y + i*rsy; or, with ys (an output view whose
     # rows are not evenly spaced, see conv_forward_nogil), pixel m0 + i's
     # (n, oh, ow) at y + n*ys.n + oh*ys.h + ow*ys.w (rsy = ys.w): a tile
@@ -1260,7 +1261,10 @@ def conv2d_forward_view(const real[:, :, :, :] x, const real[:, :] w, real[:, :,
         raise ValueError(f"y must be ({g.N}, OH, OW, OC) and w ({g.C}, T*OC) with "
                          f"{T} taps below T; got y {tuple(y.shape)[:4]}, "
                          f"w {tuple(w.shape)[:2]}, taps {list(taps)}")
-    if 0 in (g.N, g.H, g.W, g.C, g.OH, g.OW):
+    if 0 in (g.N, g.OH, g.OW):
+        return
+    if 0 in (g.H, g.W, g.C):        # nothing to read: every tap is padding
+        y[...] = 0
         return
     cdef Py_ssize_t item = sizeof(real)
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], item)
