@@ -28,8 +28,10 @@
 #define FC_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)
 #define FC_UNROLL FC_PRAGMA(clang loop unroll(full))
+#define FC_UNROLL_2 FC_PRAGMA(clang loop unroll_count(2))
 #else
 #define FC_UNROLL FC_PRAGMA(GCC unroll 64)
+#define FC_UNROLL_2 FC_PRAGMA(GCC unroll 2)
 #endif
 
 /* out = A (R x K) @ B_panel (K x NR), finished in registers.  A's rows are
@@ -150,6 +152,12 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                         FC_K_STEP(T, MR, NR, KSTEP)                             \
                 }                                                               \
             else                                                                \
+                /* two k a trip: Zen 5, 2 threads, builds alternating,      \
+                   best GFLOPS 3x3/2 64->128 @56 b8 500-502 -> 507-513, 3x3 \
+                   256->256 @14 b1 (Winograd) 774-787 -> 792-801, 1x1      \
+                   256->64 @56 b8 backward 430-443 -> 453-461, 2048^3      \
+                   +1 %; a 7x7 stem, 2048->512 @7 within 1 %. */             \
+                FC_UNROLL_2                                                     \
                 for (ptrdiff_t p = 0; p < kc; p++)                              \
                     FC_K_STEP(T, MR, NR, KSTEP)                                 \
         }                                                                       \
