@@ -21,9 +21,9 @@ import numpy as np
 # micro-panel and drive every chunking path with small images.
 cdef Py_ssize_t chunk_bytes = 512 * 1024
 
-# Images up to this size the forward's tiles do not prefetch: twice the
-# L2 of the machines measured (1 MiB; see multiply_pixel_rows).
-cdef Py_ssize_t PREFETCH_IMAGE_BYTES = 2 << 20
+# Images up to this size the forward's tiles do not prefetch: a quarter of
+# the 32 MiB L3 of the machines measured (see multiply_pixel_rows).
+cdef Py_ssize_t PREFETCH_IMAGE_BYTES = 8 << 20
 
 
 def set_chunk_bytes(Py_ssize_t nbytes):
@@ -579,13 +579,20 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # past L2 made the micro-kernel wait on its broadcasts (1 thread, in one
     # process alternately: 1x1 256->64 @56 batch 8, forced implicit, 82-88
     # -> 100-106 GFLOPS; 3x3/2 64->128 @56 batch 8 97-101 -> 103-107).  Not
-    # for an image of at most PREFETCH_IMAGE_BYTES, which stays in L2 from
-    # one k-block to the next (the same 3x3/2 layer at batch 1, 0.8 MB:
-    # 108-109 -> 106-107), nor for runs shorter than 4 lines, whose prefetch
-    # loop costs more than it hides (VGG conv1_1, 9-value runs: 77-93 ->
-    # 68-84).
+    # for an image of at most PREFETCH_IMAGE_BYTES, which the L3 holds from
+    # one k-block to the next: the requests, issued at once at the tile's
+    # first panel, then cost more than they hide (Zen 5, 2 threads, in one
+    # process alternating, best/median GFLOPS with a 2 MiB threshold -> 16
+    # MiB: 3x3/2 64->128 @56 b8, a 6.4 MB image, 490/478 -> 511/497; 128->256
+    # @28 b8 488/478 -> 500/488; the 2x2-tap phase of its input gradient
+    # (dy 3.2 MB) 456/445 -> 484/471; 2048->512 @7 b8 466/446 -> 471/454;
+    # at 12.8 MB mixed, 503/482 -> 509/470, so it keeps prefetching under
+    # 8 MiB; at 25.7 MB, b32, prefetching is 7-10 % faster, 2 threads and
+    # 1), nor for runs shorter than 4 lines,
+    # whose prefetch loop costs more than it hides (VGG conv1_1, 9-value
+    # runs: 77-93 -> 68-84).
     cdef bint prefetch_runs
-    cdef bint image_past_l2 = (g.N * g.H * g.W * xs.w * <Py_ssize_t>sizeof(real)
+    cdef bint image_past_l3 = (g.N * g.H * g.W * xs.w * <Py_ssize_t>sizeof(real)
                                > PREFETCH_IMAGE_BYTES)
     for jb in range(cdiv(OC, nc_blk)):
         jc = jb * nc_blk
@@ -606,7 +613,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                 run_len = blk.cw
             for r in range(n_runs):
                 block_off[r] = run_off[r] + blk.c0
-            prefetch_runs = image_past_l2 and run_len * <Py_ssize_t>sizeof(real) >= 256
+            prefetch_runs = image_past_l3 and run_len * <Py_ssize_t>sizeof(real) >= 256
             if own_block != NULL:
                 for jp in range(jp0, jp1):
                     jr = jp * NR
