@@ -544,12 +544,13 @@ def _phase_data_grad(dy, w2d, geo, in_shape):
     registers, where dy @ w2d followed by col2im wrote and read back KH*KW
     values a pixel and added them into a zeroed dx.  Zen 5, 2 threads, in
     one process alternating, median GFLOPS col2im -> phases: 3x3/2 64->128
-    @56 b1 387 -> 420, b8 411 -> 405; 128->256 @28 b1 369 -> 411, b8 434
-    -> 440; 256->512 @14 b1 321 -> 359, b8 419 -> 460; 32->64 @112 b8 356
-    -> 405; 7x7/2 32->64 @224 b8 306 -> 388; 4x4/2 64->64 @64 b4 375 ->
-    449; 5x5/2 64->64 @56 b8 377 -> 445.  With 16 channels (the phases'
-    output channels, half a micro-panel) 225 -> 172: hence
-    _PHASE_MIN_CHANNELS.  Grouped layers keep col2im, whose results do not
+    @56 b1 387 -> 420, b8 411 -> 405 (384 -> 455 once the implicit GEMM
+    stopped prefetching images an L3 holds, as dy is here); 128->256 @28 b1
+    369 -> 411, b8 434 -> 440; 256->512 @14 b1 321 -> 359, b8 419 -> 460;
+    32->64 @112 b8 356 -> 405; 7x7/2 32->64 @224 b8 306 -> 388; 4x4/2
+    64->64 @64 b4 375 -> 449; 5x5/2 64->64 @56 b8 377 -> 445.  With 16
+    channels (the phases' output channels, half a micro-panel) 225 -> 172:
+    hence _PHASE_MIN_CHANNELS.  Grouped layers keep col2im, whose results do not
     depend on whether groups run in parallel."""
     kernels, nt = _dispatch.kernels, get_num_threads()
     _, H, W, C = in_shape
