@@ -523,7 +523,7 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                               const real* bpack, Py_ssize_t nc_blk,
                               Py_ssize_t js, Py_ssize_t n_js,
                               const real* bias, int act, real* y, Py_ssize_t rsy,
-                              bint stream, const real* w, Py_ssize_t rsw,
+                              bint stream, const real* w, Py_ssize_t rsb, Py_ssize_t csb,
                               real* own_block, Py_ssize_t* block_off,
                               real beta, Py_ssize_t m0=0,
                               const ImageStrides* ys=NULL,
@@ -539,9 +539,9 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # B comes prepacked (bpack, as pack_b_blocks lays it out), or, when
     # own_block is given, this task packs its share of each block of w into
     # own_block (one block, kc_max x nc_blk) just before multiplying it
-    # (w: OC rows rsw apart, or, given tap_src, gathered taps as in
-    # pack_block_panel, rows rsw apart).  tap_off holds the KH*KW taps'
-    # offsets, then the KH kernel rows'.
+    # (w as B, K x OC with strides rsb, csb, read as pack_block_panel
+    # reads it, with tap_src).  tap_off holds the KH*KW taps' offsets, then
+    # the KH kernel rows'.
     # Pixel i's output row is y + i*rsy; or, with ys (an output view whose
     # rows are not evenly spaced, see conv_forward_nogil), pixel m0 + i's
     # (n, oh, ow) at y + n*ys.n + oh*ys.h + ow*ys.w (rsy = ys.w): a tile
@@ -586,11 +586,10 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # MiB: 3x3/2 64->128 @56 b8, a 6.4 MB image, 490/478 -> 511/497; 128->256
     # @28 b8 488/478 -> 500/488; the 2x2-tap phase of its input gradient
     # (dy 3.2 MB) 456/445 -> 484/471; 2048->512 @7 b8 466/446 -> 471/454;
-    # at 12.8 MB mixed, 503/482 -> 509/470, so it keeps prefetching under
-    # 8 MiB; at 25.7 MB, b32, prefetching is 7-10 % faster, 2 threads and
-    # 1), nor for runs shorter than 4 lines,
-    # whose prefetch loop costs more than it hides (VGG conv1_1, 9-value
-    # runs: 77-93 -> 68-84).
+    # at 12.8 MB mixed, 503/482 -> 509/470, so images past 8 MiB keep it;
+    # at 25.7 MB, b32, prefetching is 7-10 % faster, 2 threads and 1), nor
+    # for runs shorter than 4 lines, whose prefetch loop costs more than it
+    # hides (VGG conv1_1, 9-value runs: 77-93 -> 68-84).
     cdef bint prefetch_runs
     cdef bint image_past_l3 = (g.N * g.H * g.W * xs.w * <Py_ssize_t>sizeof(real)
                                > PREFETCH_IMAGE_BYTES)
@@ -617,12 +616,8 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
             if own_block != NULL:
                 for jp in range(jp0, jp1):
                     jr = jp * NR
-                    if tap_src == NULL:
-                        pack_block_panel(blk, min(NR, nc - jr), w + (jc + jr) * rsw, 1, rsw,
-                                         NULL, own_block + jr * blk.kc)
-                    else:
-                        pack_block_panel(blk, min(NR, nc - jr), w + jc + jr, rsw, 1, tap_src,
-                                         own_block + jr * blk.kc)
+                    pack_block_panel(blk, min(NR, nc - jr), w + (jc + jr) * csb, rsb, csb,
+                                     tap_src, own_block + jr * blk.kc)
                 bblk = own_block
             else:
                 bblk = bpack + (jb * n_kb + kb) * kc_max * nc_blk
@@ -773,16 +768,17 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # (packing up front wrote all of them out and read them back: 512->512
     # @7 b1 took ~0.6 ms more than with prepacked weights).
     cdef bint pack_own = prepacked == NULL and n_ic == 1
+    # w as B (K x OC): OC rows of w transposed; or, with tap_src, the
+    # gathered taps' rows (channels) rsw apart, output channels unit.
+    cdef Py_ssize_t rsb = 1 if tap_src == NULL else rsw
+    cdef Py_ssize_t csb = rsw if tap_src == NULL else 1
     cdef Py_ssize_t own_size = max_block_depth(blocks, n_kb) * nc_blk
     cdef real* bpack = <real*>prepacked
     cdef real* own_blocks = NULL
     if pack_own:
         own_blocks = <real*>aligned_malloc(nt * own_size * sizeof(real))
     elif prepacked == NULL:
-        if tap_src == NULL:
-            bpack = pack_b_blocks(blocks, n_kb, OC, w, 1, rsw, nc_blk, nt)
-        else:
-            bpack = pack_b_blocks(blocks, n_kb, OC, w, rsw, 1, nc_blk, nt, tap_src)
+        bpack = pack_b_blocks(blocks, n_kb, OC, w, rsb, csb, nc_blk, nt, tap_src)
     # Every pixel reads its taps at the same offsets, in the image or in
     # its shadow window (whose pitch is the image's, unless no pixel is
     # inside the image; see shadow_layout).
@@ -825,7 +821,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                         pixels + tid * R)
         multiply_pixel_rows(g, xs, tap_off, pixels + tid * R, m1 - m0,
                             blocks, n_kb, OC, bpack, nc_blk, task // n_ic, n_js, bias, act,
-                            y if ys != NULL else y + m0 * rsy, rsy, stream, w, rsw,
+                            y if ys != NULL else y + m0 * rsy, rsy, stream, w, rsb, csb,
                             own_blocks + tid * own_size if pack_own else NULL,
                             block_offs + tid * n_off, <real>accumulate, m0, ys, tap_src)
     if prepacked == NULL:
