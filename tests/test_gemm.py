@@ -312,6 +312,39 @@ def test_transposed_a_every_panel_width(isa, dtype):
             check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
 
 
+@pytest.mark.parametrize("nt", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_narrow_b_next_to_transposed_a(isa, dtype, nt):
+    # Next to an A.T view, a B of whole panels at most 256 bytes a row is
+    # read in place on builds whose panel rows are two lines or more
+    # (AVX-512), packed on the others: N = 16, 32, 64 (whole panels, in
+    # place where they fit), 48 (a partial panel) and 96 (too wide), B a
+    # column slice of a wider array with NaN past its columns, K over one
+    # to three K blocks (each tile prefetches its share of the next block's
+    # rows, of B as well as of A), alpha and beta on C, bias and relu6.
+    with _dispatch.use_isa(isa) as k:
+        for N in (16, 32, 48, 64, 96):
+            for M, K in ((13, 7), (37, 600), (256, 1000)):
+                rng = rng_for("narrow b", isa, dtype_id(dtype), nt, N, M, K)
+                at = np.full((K, M + 5), np.nan, dtype)
+                at[:, :M] = randn(rng, (K, M), dtype)
+                wide = np.full((K, N + 24), np.nan, dtype)
+                wide[:, 8:8 + N] = randn(rng, (K, N), dtype)
+                b = wide[:, 8:8 + N]
+                c = randn(rng, (M, N), dtype)
+                fastconv.set_num_threads(nt)
+                got = GEMM[dtype](0.75, at[:, :M], b, -1.5, c, trans_a=True)
+                check_gemm(got, 0.75, at[:, :M].T, b, -1.5, c, dtype)
+                bias = randn(rng, (N,), dtype)
+                out = empty_aligned((M, N), dtype)
+                k.gemm(1.0, at[:, :M].T, b, 0.0, out, nt, bias, 2)
+                a64 = at[:, :M].T.astype(np.float64)
+                ref = np.clip(a64 @ b + bias, 0, 6)
+                scale = np.abs(a64) @ np.abs(b) + np.abs(bias)
+                bound = np.finfo(dtype).eps * (4 * math.sqrt(K) + 4) * scale
+                assert np.all(np.abs(out - ref) <= bound), (N, M, K)
+
+
 # ------------------------------------- strided / negative-stride operands
 
 @pytest.mark.parametrize("b_layout", LAYOUTS)

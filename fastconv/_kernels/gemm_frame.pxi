@@ -67,11 +67,13 @@ cdef extern from "micro_kernel.h":
                         float* dst) noexcept nogil
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
+    # fc_kmajor_kernel: A.T views (values of a k contiguous, k lda apart);
+    # B's panel values of a k contiguous, k ldb apart (NR: packed).
     void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t lda,
-                              const float* b, float* out,
+                              const float* b, Py_ssize_t ldb, float* out,
                               Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
     void fc_kmajor_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t lda,
-                              const double* b,
+                              const double* b, Py_ssize_t ldb,
                               double* out, Py_ssize_t rso, int flags, const double* bias,
                               int act) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
@@ -117,6 +119,9 @@ cdef enum:
     # macro_kernel_ld multiplies pairs of B panels (S_PAIR_MR x 2 NR tiles)
     # for K blocks up to this deep; see there.
     PAIR_MAX_KC = 128
+    # gemm_nogil reads B in place (not packed) next to an A.T view for B
+    # of at most this many bytes a row.
+    B_IN_PLACE_MAX_BYTES = 256
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -463,9 +468,11 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                           real alpha, real beta, bint first, const real* bias,
                           int act, bint stream, Py_ssize_t next_kc,
-                          bint pairs=False) noexcept nogil:
+                          bint pairs=False, Py_ssize_t rsb_in_place=0) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
-    # of the packed B block.  A row-major A is not packed into k-major panels
+    # of the packed B block (panel jp at bpack + jp*NR*ldb), or, with
+    # rsb_in_place (A.T views only, see gemm_nogil), of B itself: panel jp
+    # at bpack + jp*NR, rows rsb_in_place apart.  A row-major A is not packed into k-major panels
     # (see micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
     # packed panel (the MR x kc slice stays in L1 across the jr loop).  Two
     # layouts defeat that and get a plain row-major copy of the slice first
@@ -505,6 +512,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef real* ct
     cdef Py_ssize_t ip, ir, jp, jr, mr, next_rows, pr0, pr1, ars = kc + A_PANEL_PAD if copy_a else rsa
     cdef Py_ssize_t rso, pf, n_pan, half
+    cdef Py_ssize_t bstep = NR if rsb_in_place == 0 else rsb_in_place
+    cdef Py_ssize_t panel_step = ldb if rsb_in_place == 0 else 1
     cdef real* out
     # write_tile adds the bias with the first K block only.
     cdef const real* tile_bias = bias if first else NULL
@@ -523,6 +532,13 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                              share_start(ip + 1, next_kc, n_tiles)
                              - share_start(ip, next_kc, n_tiles),
                              csa * sizeof(real), mc * sizeof(real))
+            if rsb_in_place:
+                # and of B's rows, read in place as well
+                fc_prefetch_rows(bpack + (kc + share_start(ip, next_kc, n_tiles)) * bstep
+                                 + jp0 * NR,
+                                 share_start(ip + 1, next_kc, n_tiles)
+                                 - share_start(ip, next_kc, n_tiles),
+                                 bstep * sizeof(real), (min(nc, jp1 * NR) - jp0 * NR) * sizeof(real))
         if copy_a:
             copy_a_panel(mr, kc, ap, rsa, csa, panel)
             ap = panel
@@ -593,15 +609,15 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                 out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
             if real is float:
                 if kmajor_a:
-                    fc_kmajor_kernel_f32(mr, kc, ap, csa, bpack + jr * ldb, out, rso, flags,
-                                         out_bias, out_act)
+                    fc_kmajor_kernel_f32(mr, kc, ap, csa, bpack + jr * panel_step, bstep, out,
+                                         rso, flags, out_bias, out_act)
                 else:
                     fc_micro_kernel_f32(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
                                         flags, out_bias, out_act)
             else:
                 if kmajor_a:
-                    fc_kmajor_kernel_f64(mr, kc, ap, csa, bpack + jr * ldb, out, rso, flags,
-                                         out_bias, out_act)
+                    fc_kmajor_kernel_f64(mr, kc, ap, csa, bpack + jr * panel_step, bstep, out,
+                                         rso, flags, out_bias, out_act)
                 else:
                     fc_micro_kernel_f64(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
                                         flags, out_bias, out_act)
@@ -728,28 +744,47 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # cost ~13 % at batch-1 sizes).  A larger B is packed a block at a time
     # into one L2-sized buffer, the Goto way.
     cdef bint pack_all = K * N * <Py_ssize_t>sizeof(real) <= pack_all_bytes
+    # B read in place, not packed: for an A.T view (k-major A; a weight
+    # gradient's dy^T) times a narrow B whose rows hold whole panels, such
+    # as a 1x1 weight gradient's image.  Packing it was a pass of its own
+    # over memory (15 % of the samples of 64->256 @56 b8) for panels that
+    # the k-major tiles read from L2 either way (a kc x NR panel and A's kc
+    # rows overflow L1 together).  Where a panel's k row is two lines or
+    # more (AVX-512): Zen 5, 2 threads, one process alternating, best/median
+    # GFLOPS of the weight gradient packed -> in place: 1x1 64->256 @56 b1
+    # 352/343 -> 427/422, b8 322/311 -> 327/312, 32->256 b1 287/284 ->
+    # 412/407, b8 258/221 -> 321/288, float64 32->256 b1 163/159 ->
+    # 174/172; 128-wide B (128->512 @28 b8) 438/422 -> 431/418, hence at
+    # most 256 bytes a row.  With AVX2's one-line rows and 6-row tiles (B's
+    # lines read from L2 by twice as many tiles) 64->256 b1 lost 218 -> 184.
+    cdef bint b_in_place = (rsa == 1 and csa != 1 and csb == 1 and N % NR == 0
+                            and N * <Py_ssize_t>sizeof(real) <= B_IN_PLACE_MAX_BYTES
+                            and NR * <Py_ssize_t>sizeof(real) >= 128)
     cdef bint stream = can_stream(M, N, n_kb, beta, rsc, csc)
-    cdef real* bbuf = <real*>aligned_malloc(
-        (n_jb * n_kb if pack_all else 1) * kc_blk * nc_blk * sizeof(real))
-    if bbuf == NULL:
-        return -1
+    cdef real* bbuf = NULL
+    if not b_in_place:
+        bbuf = <real*>aligned_malloc(
+            (n_jb * n_kb if pack_all else 1) * kc_blk * nc_blk * sizeof(real))
+        if bbuf == NULL:
+            return -1
 
     cdef Py_ssize_t jblk, jc, pblk, pc, nc, kc, n_panels, jp, task, ic, ic_end, js, t
     cdef bint first
 
-    if pack_all:
-        # A task per NR columns, every K block in order: a transposed B is
-        # then read as NR long row streams (see pack_b_blocks_into).
-        for t in prange(n_jb * panels_per_blk, num_threads=nt, schedule="static"):
-            jblk = t // panels_per_blk
-            jp = t % panels_per_blk
-            jc = jblk * nc_blk + jp * NR
-            if jc < N:
-                for pblk in range(n_kb):
-                    pc = pblk * kc_blk
-                    pack_b_panel(min(kc_blk, K - pc), min(NR, N - jc), b + pc * rsb + jc * csb,
-                                 rsb, csb,
-                                 bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
+    if pack_all or b_in_place:
+        if not b_in_place:
+            # A task per NR columns, every K block in order: a transposed B
+            # is then read as NR long row streams (see pack_b_blocks_into).
+            for t in prange(n_jb * panels_per_blk, num_threads=nt, schedule="static"):
+                jblk = t // panels_per_blk
+                jp = t % panels_per_blk
+                jc = jblk * nc_blk + jp * NR
+                if jc < N:
+                    for pblk in range(n_kb):
+                        pc = pblk * kc_blk
+                        pack_b_panel(min(kc_blk, K - pc), min(NR, N - jc),
+                                     b + pc * rsb + jc * csb, rsb, csb,
+                                     bbuf + ((jblk * n_kb + pblk) * nc_blk + jp * NR) * kc_blk)
         for task in prange(n_ic * n_js, num_threads=nt, schedule="static"):
             ic = min(M, share_start(task // n_js, m_panels, n_ic) * MR)
             ic_end = min(M, share_start(task // n_js + 1, m_panels, n_ic) * MR)
@@ -762,16 +797,18 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     for pblk in range(n_kb):
                         pc = pblk * kc_blk
                         # Panels of a short last K block sit kc_blk apart.
-                        macro_kernel_ld(ic_end - ic, nc, min(kc_blk, K - pc), kc_blk,
+                        macro_kernel_ld(ic_end - ic, nc, min(kc_blk, K - pc),
+                                        1 if b_in_place else kc_blk,
                                         share_start(js, n_panels, n_js),
                                         share_start(js + 1, n_panels, n_js),
                                         a + ic * rsa + pc * csa, rsa, csa,
-                                        bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
+                                        b + pc * rsb + jc if b_in_place
+                                        else bbuf + (jblk * n_kb + pblk) * nc_blk * kc_blk,
                                         c + ic * rsc + jc * csc, rsc, csc, alpha, beta,
                                         pblk == 0, NULL if bias == NULL else bias + jc,
                                         act if pblk == n_kb - 1 else ACT_NONE, stream,
                                         0 if pblk == n_kb - 1 else min(kc_blk, K - pc - kc_blk),
-                                        True)
+                                        True, rsb if b_in_place else 0)
         aligned_free(bbuf)
         return 0
 

@@ -51,7 +51,8 @@
  *   256 x 25088 by 25088 x 64), which ran 146-152 GFLOPS that way and
  *   186-198 in place (256 x 128: 192 -> 220; 1024^3 217 -> 245; 2048 x 64
  *   x 3136 146 -> 230; 64 x 2048 x 3136, 64 panels a slice, 153-157
- *   either way).
+ *   either way).  Its B panel steps ldb values a k: NR when packed, B's
+ *   row stride when a narrow B is read in place too (see gemm_nogil).
  * - An implicit-GEMM convolution (fc_shared_runs_kernel) has one run per
  *   kernel tap or kernel row, at the same offsets for every pixel: run t
  *   of row i starts at pix[i] + run_off[t].  Each of the R output pixels
@@ -94,7 +95,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 /* One k of FC_KERNEL_BODY: the R x NR rank-1 update from row values at
  * a + off[i] and the panel's NR values at b, then both step on. */
-#define FC_K_STEP(T, MR, NR, KSTEP)                                             \
+#define FC_K_STEP(T, MR, NR, KSTEP, BSTEP)                                      \
     {                                                                           \
         VEC bv[NV];                                                             \
         /* memcpy: an unaligned-safe vector load the compiler folds.  The    \
@@ -109,17 +110,19 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                 c[i][j] += ai * bv[j];                                          \
         }                                                                       \
         a += (KSTEP);                                                           \
-        b += (NR);                                                              \
-        b2 += (NR);                                                             \
+        b += (BSTEP);                                                           \
+        b2 += (BSTEP);                                                          \
     }
 
 #define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP, PF)               \
-    FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, 1, NRUNS, ROW, KSTEP, PF, b)
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, 1, NRUNS, ROW, KSTEP, NR, PF, b)
 
 /* PANELS 1: the R x NR tile of the panel at b; 2: the R x 2NR tile of the
- * panels at b and b2 side by side (out's columns NR.. are b2's). */
-#define FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, PANELS, NRUNS, ROW, KSTEP, PF, \
-                              B2)                                               \
+ * panels at b and b2 side by side (out's columns NR.. are b2's).  BSTEP:
+ * values from one k of the panel to the next (NR packed; B's row stride
+ * for a panel read in place, see fc_kmajor_kernel). */
+#define FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, PANELS, NRUNS, ROW, KSTEP,     \
+                              BSTEP, PF, B2)                                    \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
@@ -149,7 +152,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                     FC_UNROLL for (int i = 0; i < (MR); i++)                    \
                         __builtin_prefetch(a + off[i] + (PF), 0, 2);            \
                     for (ptrdiff_t p = 0; p < pn; p++)                          \
-                        FC_K_STEP(T, MR, NR, KSTEP)                             \
+                        FC_K_STEP(T, MR, NR, KSTEP, BSTEP)                      \
                 }                                                               \
             else                                                                \
                 /* two k a trip: Zen 5, 2 threads, builds alternating,      \
@@ -159,7 +162,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                    +1 %; a 7x7 stem, 2048->512 @7 within 1 %. */             \
                 FC_UNROLL_2                                                     \
                 for (ptrdiff_t p = 0; p < kc; p++)                              \
-                    FC_K_STEP(T, MR, NR, KSTEP)                                 \
+                    FC_K_STEP(T, MR, NR, KSTEP, BSTEP)                          \
         }                                                                       \
         const VEC zero = {0}, six = zero + 6;                                   \
         FC_UNROLL for (int i = 0; i < (MR); i++)                                \
@@ -208,17 +211,18 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     FC_KERNEL_BODY(SUFFIX, T, R, NR, nruns, FC_SHARED_RUNS_ROW, sizeof(T), 0)   \
     static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t lda, const T *restrict b, \
-        T *restrict out, ptrdiff_t rso, int flags, const T *restrict bias,      \
-        int act)                                                                \
-    FC_KERNEL_BODY(SUFFIX, T, R, NR, 1, FC_KMAJOR_ROW, lda * sizeof(T), 0)
+        ptrdiff_t ldb, T *restrict out, ptrdiff_t rso, int flags,               \
+        const T *restrict bias, int act)                                        \
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 1, 1, FC_KMAJOR_ROW, lda * sizeof(T), \
+                          ldb, 0, b)
 
 #define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
     case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, pf, b, out, rso, flags, \
                                            bias, act); break;
 
 #define FC_KMAJOR_CASE(SUFFIX, T, R, NR)                                         \
-    case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, out, rso, flags,    \
-                                            bias, act); break;
+    case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, ldb, out, rso,      \
+                                            flags, bias, act); break;
 
 
 /* Two adjacent NR panels at once (b, b2): an R x 2NR tile, for builds
@@ -232,13 +236,13 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b2_, T *restrict out, ptrdiff_t rso, int flags,       \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, nruns, FC_SHARED_RUNS_ROW,       \
-                          sizeof(T), 0, b2_)                                    \
+                          sizeof(T), NR, 0, b2_)                                    \
     static __attribute__((noinline)) void fc_micro_pair_kernel_##SUFFIX##_##R( \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, ptrdiff_t pf,        \
         const T *restrict b, const T *restrict b2_, T *restrict out,            \
         ptrdiff_t rso, int flags, const T *restrict bias, int act)              \
-    FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, 1, FC_PLAIN_ROW, sizeof(T), pf,  \
-                          b2_)
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, 1, FC_PLAIN_ROW, sizeof(T), NR,  \
+                          pf, b2_)
 #define FC_PAIR_CASE(SUFFIX, T, R, NR)                                           \
     case R: fc_shared_runs_pair_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc,  \
                                                       b, b2, out, rso, flags,   \
@@ -279,8 +283,8 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         switch (mr) { FC_FOR_ROWS(FC_SHARED_RUNS_CASE, SUFFIX, T, NR) }         \
     }                                                                           \
     static inline void fc_kmajor_kernel_##SUFFIX(                               \
-        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t lda, const T *b, T *out,   \
-        ptrdiff_t rso, int flags, const T *bias, int act)                       \
+        int mr, ptrdiff_t kc, const T *a0, ptrdiff_t lda, const T *b,           \
+        ptrdiff_t ldb, T *out, ptrdiff_t rso, int flags, const T *bias, int act) \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_KMAJOR_CASE, SUFFIX, T, NR) }              \
     }
