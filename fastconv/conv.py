@@ -617,18 +617,11 @@ def _weight_grad(dy, x, groups, geo):
         kernels.conv2d_grad_weight_groups(x, dy_rows, dw, groups, *geo, nt)
         return dw
     for c, oc in _group_slices(groups, C, OC):
-        if pointwise and OC > C:
-            # The GEMM form runs faster where the output channels outnumber the
-            # inputs; conv2d_grad_weight's per-thread pixel chunks (patches on
-            # the GEMM's left there) where they do not.  Zen 5, 2 threads, in
-            # one process alternating, best GFLOPS GEMM vs conv2d_grad_weight:
-            # 64->256 @56 b1 408 vs 329, b8 338 vs 347, 128->512 @28 b8 424 vs
-            # 357, 512->2048 @7 b1 355 vs 286; 64->64 @56 b8 328 vs 404,
-            # 256->256 @56 b8 368 vs 421 (on Zen 4: 256->64 @56 b8 5.2 vs 7.0
-            # ms, 512->128 @28 b8 4.5 vs 5.0).
-            kernels.gemm(1.0, dy_rows[:, oc].T, _pixel_matrix(x[..., c]), 0.0, dw[oc], nt)
-        else:
-            kernels.conv2d_grad_weight(x[..., c], dy_rows[:, oc], dw[oc], *geo, nt)
+        # A 1x1 layer's patch rows are its image's pixels, read in place;
+        # with more output channels than input channels the kernel runs
+        # one GEMM (dy^T @ image) unless its per-thread chunks of pixels
+        # are faster (see conv_grad_weight_nogil).
+        kernels.conv2d_grad_weight(x[..., c], dy_rows[:, oc], dw[oc], *geo, nt)
     return dw
 
 

@@ -1251,6 +1251,13 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     (1, 8, 96, 48, 3, 1, 1),            # 64 rows of 864 columns
     (2, 8, 600, 40, 1, 1, 0),           # 1x1, 128 rows of 600 columns
     (8, 48, 16, 40, 1, 2, 0),           # 1x1/2, 4608 rows of 16 columns, 40 channels
+    # 1x1 with more output channels than input channels: one GEMM over all
+    # pixels (default chunks: one), or each thread its chunks of pixels
+    # (one panel a chunk) with the image's rows read in place where narrow
+    # (32 or 64 float32, 32 float64 values on AVX-512), packed where not
+    (4, 24, 32, 96, 1, 1, 0),
+    (4, 24, 64, 160, 1, 1, 0),
+    (4, 24, 48, 112, 1, 1, 0),
 ])
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -1276,6 +1283,29 @@ def test_weight_gradient_in_either_operand_order(isa, N, H, C, OC, k, s, p, chun
     with fastconv._dispatch.use_isa(isa):
         gw = conv2d_backward(dy, x, w, s, p, output_mask=(False, True, False))[1]
     assert_close(gw, ref_gw, dtype, N * OH * OH, "grad_weight")
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("chunks", ["default", "one panel"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_pointwise_weight_gradient(isa, chunks, dtype, request):
+    """A grouped 1x1 layer's weight gradient, group by group: each group's
+    image is a channel slice of x (pixels 64 values apart, 32 read), with
+    more output channels than input channels (the GEMM over all pixels, or
+    per-thread chunks reading the slice in place)."""
+    if chunks == "one panel":
+        one_panel_chunks(request)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 24, 24, 64)).astype(dtype)
+    w = rng.standard_normal((192, 1, 1, 32)).astype(dtype)
+    dy = rng.standard_normal((4, 24, 24, 192)).astype(dtype)
+    wt = torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)).requires_grad_()
+    ref = F.conv2d(torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64)), wt, None,
+                   groups=2)
+    ref.backward(torch.from_numpy(dy.transpose(0, 3, 1, 2).astype(np.float64)))
+    with fastconv._dispatch.use_isa(isa):
+        gw = conv2d_backward(dy, x, w, groups=2, output_mask=(False, True, False))[1]
+    assert_close(gw, wt.grad.numpy().transpose(0, 2, 3, 1), dtype, 4 * 24 * 24, "grad_weight")
 
 
 # ------------------------------------------------- algorithms and epilogues

@@ -841,7 +841,9 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
     # One thread's product over rows 0..rows of a chunk, for the patch
     # columns j0..j1, KC rows at a time; either orientation reads its left
-    # operand in place, k-major (fc_kmajor_kernel), and packs the right one:
+    # operand in place, k-major (fc_kmajor_kernel), and packs the right one
+    # (or, with dy on the left and narrow patch rows, reads them in place
+    # too: b_in_place_ok, as gemm_nogil does):
     #   dy on the left:      acc[:, j0:j1] += dy^T @ patches[:, j0:j1]   (acc OC x K)
     #   patches on the left: acc[j0:j1, :] += patches[:, j0:j1]^T @ dy   (acc K x OC)
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
@@ -855,6 +857,10 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
             pack_b_rows(kc, OC, dy + pc * rsdy, rsdy, bpack)
             macro_kernel(j1 - j0, OC, kc, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld, bpack,
                          acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
+        elif b_in_place_ok(j1 - j0, <real>0):
+            macro_kernel_ld(OC, j1 - j0, kc, 1, 0, cdiv(j1 - j0, NR), dy + pc * rsdy, 1, rsdy,
+                            patches + pc * ld + j0, acc + j0, acc_ld, 1, 1, 1, True, NULL,
+                            ACT_NONE, False, next_kc, False, ld)
         else:
             pack_b_rows(kc, j1 - j0, patches + pc * ld + j0, ld, bpack)
             macro_kernel(OC, j1 - j0, kc, 0, cdiv(j1 - j0, NR), dy + pc * rsdy, 1, rsdy, bpack,
@@ -933,6 +939,20 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
     cdef bint left = grad_weight_patches_left(M, K, OC)
+    cdef bint in_place = patches_are_image(g, xs)
+    if in_place and not left and OC > K and not (split_chunks and b_in_place_ok(K, <real>0)):
+        # A 1x1 layer with more output channels than input channels: one
+        # GEMM, dy^T @ image, which splits the output channels between the
+        # threads, unless chunks of pixels are enough to share and the
+        # image's rows, read in place, are narrow enough (b_in_place_ok):
+        # then each thread streams whole rows of dy and of the image from
+        # its own chunks into an accumulator of its own.  Zen 5, 2 threads,
+        # one process alternating, best/median GFLOPS GEMM vs chunks:
+        # 64->256 @56 b8 393/348 vs 480/392, b32 298/294 vs 392/388,
+        # 64->128 b8 349/334 vs 484/464; b1 475/464 vs 411/404 (6 chunks
+        # of 512 pixels, not split).
+        return gemm_nogil(OC, K, M, 1, dy, 1, rsdy, x, xs.w, 1, 0, dw, rsdw, 1, NULL,
+                          ACT_NONE, max_threads)
     # acc: OC x K, or K x OC with the patches on the left.
     cdef Py_ssize_t acc_ld = OC if left else K
     cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(OC if left else K, NR) * NR
@@ -949,7 +969,6 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc, step
     cdef real* acc
     cdef const real* patches
-    cdef bint in_place = patches_are_image(g, xs)
     cdef Py_ssize_t ldp = xs.w if in_place else ld
     if split_chunks:
         # Static: each thread always sums the same chunks in the same order,

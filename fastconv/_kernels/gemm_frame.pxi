@@ -711,6 +711,14 @@ cdef int gemv_nogil(Py_ssize_t M, Py_ssize_t K, real alpha,
     return 0
 
 
+cdef inline bint b_in_place_ok(Py_ssize_t N, real dtype_tag) noexcept nogil:
+    # Whether N columns of B (unit column stride) next to an A.T view are
+    # read in place rather than packed (see gemm_nogil).
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    return (N % NR == 0 and N * <Py_ssize_t>sizeof(real) <= B_IN_PLACE_MAX_BYTES
+            and NR * <Py_ssize_t>sizeof(real) >= 128)
+
+
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                     const real* b, Py_ssize_t rsb, Py_ssize_t csb,
@@ -757,9 +765,7 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # 174/172; 128-wide B (128->512 @28 b8) 438/422 -> 431/418, hence at
     # most 256 bytes a row.  With AVX2's one-line rows and 6-row tiles (B's
     # lines read from L2 by twice as many tiles) 64->256 b1 lost 218 -> 184.
-    cdef bint b_in_place = (rsa == 1 and csa != 1 and csb == 1 and N % NR == 0
-                            and N * <Py_ssize_t>sizeof(real) <= B_IN_PLACE_MAX_BYTES
-                            and NR * <Py_ssize_t>sizeof(real) >= 128)
+    cdef bint b_in_place = rsa == 1 and csa != 1 and csb == 1 and b_in_place_ok(N, <real>0)
     cdef bint stream = can_stream(M, N, n_kb, beta, rsc, csc)
     cdef real* bbuf = NULL
     if not b_in_place:
