@@ -1258,6 +1258,10 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     (4, 24, 32, 96, 1, 1, 0),
     (4, 24, 64, 160, 1, 1, 0),
     (4, 24, 48, 112, 1, 1, 0),
+    # the patches on the left with 64 and 128 output channels: dy's rows
+    # read in place (at most 512 bytes: 128 float32, 64 float64 values)
+    (4, 24, 16, 64, 3, 1, 1),
+    (4, 24, 32, 128, 3, 1, 1),
 ])
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -1288,23 +1292,26 @@ def test_weight_gradient_in_either_operand_order(isa, N, H, C, OC, k, s, p, chun
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_pointwise_weight_gradient(isa, chunks, dtype, request):
-    """A grouped 1x1 layer's weight gradient, group by group: each group's
-    image is a channel slice of x (pixels 64 values apart, 32 read), with
-    more output channels than input channels (the GEMM over all pixels, or
-    per-thread chunks reading the slice in place)."""
+@pytest.mark.parametrize("k, C, OC", [(1, 64, 192), (3, 32, 64)])
+def test_grouped_weight_gradient_reads_slices(isa, k, C, OC, chunks, dtype, request):
+    """Two groups' weight gradients, each from channel slices of x and dy
+    (their pixels C and OC values apart): a 1x1 layer with more output
+    than input channels (the GEMM over all pixels, or per-thread chunks
+    reading the image slice in place), and a 3x3 layer whose 32-channel
+    dy slices sit next to the patches (read in place)."""
     if chunks == "one panel":
         one_panel_chunks(request)
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((4, 24, 24, 64)).astype(dtype)
-    w = rng.standard_normal((192, 1, 1, 32)).astype(dtype)
-    dy = rng.standard_normal((4, 24, 24, 192)).astype(dtype)
+    rng = np.random.default_rng(7 + k)
+    x = rng.standard_normal((4, 24, 24, C)).astype(dtype)
+    w = rng.standard_normal((OC, k, k, C // 2)).astype(dtype)
+    dy = rng.standard_normal((4, 24, 24, OC)).astype(dtype)
     wt = torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)).requires_grad_()
     ref = F.conv2d(torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64)), wt, None,
-                   groups=2)
+                   padding=k // 2, groups=2)
     ref.backward(torch.from_numpy(dy.transpose(0, 3, 1, 2).astype(np.float64)))
     with fastconv._dispatch.use_isa(isa):
-        gw = conv2d_backward(dy, x, w, groups=2, output_mask=(False, True, False))[1]
+        gw = conv2d_backward(dy, x, w, padding=k // 2, groups=2,
+                             output_mask=(False, True, False))[1]
     assert_close(gw, wt.grad.numpy().transpose(0, 2, 3, 1), dtype, 4 * 24 * 24, "grad_weight")
 
 

@@ -841,9 +841,14 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
     # One thread's product over rows 0..rows of a chunk, for the patch
     # columns j0..j1, KC rows at a time; either orientation reads its left
-    # operand in place, k-major (fc_kmajor_kernel), and packs the right one
-    # (or, with dy on the left and narrow patch rows, reads them in place
-    # too: b_in_place_ok, as gemm_nogil does):
+    # operand in place, k-major (fc_kmajor_kernel), and packs the right one,
+    # or reads it in place too where its rows are narrow (b_in_place_ok, as
+    # gemm_nogil does).  dy's rows so, on the right of the patches: Zen 5,
+    # 2 threads, b8, alternating processes, best GFLOPS 3x3/2 64->128 @56
+    # 377-397 -> 415-449, 3x3 64->64 @56 388-405 -> 409-436, 512->512 @7
+    # 366-383 -> 387-399, 1x1 256->64 @56 +3 %, 128->128 @28 and 256->256
+    # @14 within 1-3 %; the patch rows on the right of dy, see
+    # conv_grad_weight_nogil.
     #   dy on the left:      acc[:, j0:j1] += dy^T @ patches[:, j0:j1]   (acc OC x K)
     #   patches on the left: acc[j0:j1, :] += patches[:, j0:j1]^T @ dy   (acc K x OC)
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
@@ -853,7 +858,11 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
         pc = pb * KC
         kc = min(KC, rows - pc)
         next_kc = min(KC, rows - pc - kc)
-        if patches_left:
+        if patches_left and b_in_place_ok(OC, <real>0):
+            macro_kernel_ld(j1 - j0, OC, kc, 1, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld,
+                            dy + pc * rsdy, acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL,
+                            ACT_NONE, False, next_kc, False, rsdy)
+        elif patches_left:
             pack_b_rows(kc, OC, dy + pc * rsdy, rsdy, bpack)
             macro_kernel(j1 - j0, OC, kc, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld, bpack,
                          acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)

@@ -119,9 +119,10 @@ cdef enum:
     # macro_kernel_ld multiplies pairs of B panels (S_PAIR_MR x 2 NR tiles)
     # for K blocks up to this deep; see there.
     PAIR_MAX_KC = 128
-    # gemm_nogil reads B in place (not packed) next to an A.T view for B
-    # of at most this many bytes a row.
-    B_IN_PLACE_MAX_BYTES = 256
+    # gemm_nogil and the weight gradient read B in place (not packed) next
+    # to an A.T view for B of at most this many bytes a row (b_in_place_ok;
+    # 1 KiB rows, 256->256 @14, measured no better).
+    B_IN_PLACE_MAX_BYTES = 512
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -762,9 +763,10 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # GFLOPS of the weight gradient packed -> in place: 1x1 64->256 @56 b1
     # 352/343 -> 427/422, b8 322/311 -> 327/312, 32->256 b1 287/284 ->
     # 412/407, b8 258/221 -> 321/288, float64 32->256 b1 163/159 ->
-    # 174/172; 128-wide B (128->512 @28 b8) 438/422 -> 431/418, hence at
-    # most 256 bytes a row.  With AVX2's one-line rows and 6-row tiles (B's
-    # lines read from L2 by twice as many tiles) 64->256 b1 lost 218 -> 184.
+    # 174/172; 128 wide (128->512 @28, in alternating processes) b1
+    # 414-432 -> 443, b8 434-449 -> 465-471.  With AVX2's one-line rows
+    # and 6-row tiles (B's lines read from L2 by twice as many tiles)
+    # 64->256 b1 lost 218 -> 184.
     cdef bint b_in_place = rsa == 1 and csa != 1 and csb == 1 and b_in_place_ok(N, <real>0)
     cdef bint stream = can_stream(M, N, n_kb, beta, rsc, csc)
     cdef real* bbuf = NULL
