@@ -1003,15 +1003,28 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + t * R * ld, ld)
                     grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy, patches, ldp,
                                       left, bpacks + t * bpack_size, accs, acc_ld)
-    for oc in prange(OC, num_threads=nt, schedule="static"):
-        if left:
-            for i in range(K):
-                dw[oc * rsdw + i] = accs[i * OC + oc]
-            for t in range(1, n_acc):
-                acc = accs + t * OC * K + oc
-                for i in range(K):
-                    dw[oc * rsdw + i] += acc[i * OC]
-        else:
+    cdef Py_ssize_t TB = 64 // sizeof(real), ib, jb
+    if left:
+        # The accumulators summed into the first one, in thread order, row
+        # by contiguous row; then it is transposed into dw through L1
+        # blocks (a strided walk down its columns, one value at a time,
+        # took 2.4 % of 3x3/2 64->128 @56 b8).
+        if n_acc > 1:
+            for i in prange(K, num_threads=nt, schedule="static"):
+                for t in range(1, n_acc):
+                    acc = accs + t * OC * K + i * OC
+                    for oc in range(OC):
+                        accs[i * OC + oc] += acc[oc]
+        for ib in prange(cdiv(K, TB), num_threads=nt, schedule="static"):
+            for jb in range(cdiv(OC, TB)):
+                if real is float:
+                    fc_transpose_block_f32(ib * TB, min(K, ib * TB + TB), jb * TB,
+                                           min(OC, jb * TB + TB), accs, OC, dw, rsdw)
+                else:
+                    fc_transpose_block_f64(ib * TB, min(K, ib * TB + TB), jb * TB,
+                                           min(OC, jb * TB + TB), accs, OC, dw, rsdw)
+    else:
+        for oc in prange(OC, num_threads=nt, schedule="static"):
             for i in range(K):
                 dw[oc * rsdw + i] = accs[oc * K + i]
             for t in range(1, n_acc):

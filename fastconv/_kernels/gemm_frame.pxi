@@ -67,6 +67,14 @@ cdef extern from "micro_kernel.h":
                         float* dst) noexcept nogil
     void fc_pack_bt_f64(Py_ssize_t kc, Py_ssize_t nr, const double* b, Py_ssize_t csb,
                         double* dst) noexcept nogil
+    # at[j*ldt + i] = a[i*rsa + j], a block of at most 64 bytes of rows by
+    # as many of columns, through an L1 tile.
+    void fc_transpose_block_f32(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
+                                const float* a, Py_ssize_t rsa, float* at,
+                                Py_ssize_t ldt) noexcept nogil
+    void fc_transpose_block_f64(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
+                                const double* a, Py_ssize_t rsa, double* at,
+                                Py_ssize_t ldt) noexcept nogil
     # fc_kmajor_kernel: A.T views (values of a k contiguous, k lda apart);
     # B's panel values of a k contiguous, k ldb apart (NR: packed).
     void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t lda,

@@ -156,15 +156,6 @@ cdef KBlock* wino_layout(real dtype_tag, Py_ssize_t C, Py_ssize_t OC,
     return blocks
 
 
-cdef extern from "micro_kernel.h":
-    void fc_transpose_block_f32(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
-                                const float* a, Py_ssize_t rsa, float* at,
-                                Py_ssize_t ldt) noexcept nogil
-    void fc_transpose_block_f64(Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1,
-                                const double* a, Py_ssize_t rsa, double* at,
-                                Py_ssize_t ldt) noexcept nogil
-
-
 cdef inline void wino_filter(int tile, bint vector, bint stream, const real* w, Py_ssize_t ts,
                              real* u, Py_ssize_t su) noexcept nogil:
     # The filter transform of F(tile x tile, 3x3): VL filters (vector,
