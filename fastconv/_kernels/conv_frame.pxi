@@ -938,7 +938,11 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g)
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
-    cdef Py_ssize_t R = chunk_rows(<real>0, K, M, GRAD_W_MIN_ROWS)
+    cdef bint in_place = patches_are_image(g, xs)
+    # Chunks of about chunk_bytes of patch rows, or, read in place, of dy's
+    # rows where those are wider (a 1x1 32->256 layer's 128-byte pixels
+    # made chunks of 4096 pixels, too few to split at batch 8).
+    cdef Py_ssize_t R = chunk_rows(<real>0, max(K, OC) if in_place else K, M, GRAD_W_MIN_ROWS)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
     cdef Py_ssize_t n_chunks = cdiv(M, R)
     cdef bint split_chunks = n_chunks >= 4 * nt
@@ -948,7 +952,6 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
     cdef bint left = grad_weight_patches_left(M, K, OC)
-    cdef bint in_place = patches_are_image(g, xs)
     if in_place and not left and OC > K and not (split_chunks and b_in_place_ok(K, <real>0)):
         # A 1x1 layer with more output channels than input channels: one
         # GEMM, dy^T @ image, which splits the output channels between the
