@@ -962,7 +962,9 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         # one process alternating, best/median GFLOPS GEMM vs chunks:
         # 64->256 @56 b8 393/348 vs 480/392, b32 298/294 vs 392/388,
         # 64->128 b8 349/334 vs 484/464; b1 475/464 vs 411/404 (6 chunks
-        # of 512 pixels, not split).
+        # of 512 pixels, not split).  Wider images, whose rows the chunks
+        # pack, lost to the GEMM (before rows were read in place: 128->512
+        # @28 b8 424 vs 357, 512->2048 @7 b1 355 vs 286).
         return gemm_nogil(OC, K, M, 1, dy, 1, rsdy, x, xs.w, 1, 0, dw, rsdw, 1, NULL,
                           ACT_NONE, max_threads)
     # acc: OC x K, or K x OC with the patches on the left.

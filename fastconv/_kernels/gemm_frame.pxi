@@ -481,7 +481,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block (panel jp at bpack + jp*NR*ldb), or, with
     # rsb_in_place (A.T views only, see gemm_nogil), of B itself: panel jp
-    # at bpack + jp*NR, rows rsb_in_place apart.  A row-major A is not packed into k-major panels
+    # at bpack + jp*NR, rows rsb_in_place apart.  A row-major A is not
+    # packed into k-major panels
     # (see micro_kernel.h): the micro-kernel reads MR rows in place as fast as a
     # packed panel (the MR x kc slice stays in L1 across the jr loop).  Two
     # layouts defeat that and get a plain row-major copy of the slice first

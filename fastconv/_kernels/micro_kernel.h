@@ -236,7 +236,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b2_, T *restrict out, ptrdiff_t rso, int flags,       \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, nruns, FC_SHARED_RUNS_ROW,       \
-                          sizeof(T), NR, 0, b2_)                                    \
+                          sizeof(T), NR, 0, b2_)                                \
     static __attribute__((noinline)) void fc_micro_pair_kernel_##SUFFIX##_##R( \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, ptrdiff_t pf,        \
         const T *restrict b, const T *restrict b2_, T *restrict out,            \
