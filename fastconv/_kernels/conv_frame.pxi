@@ -854,26 +854,28 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t pb, pc, kc, next_kc
+    # The left operand (k-major: mc values a row, rows lda apart), the
+    # right one (ncols values a row, rows rsb apart) and the result.
+    cdef const real* a = patches + j0 if patches_left else dy
+    cdef const real* b = dy if patches_left else patches + j0
+    cdef Py_ssize_t lda = ld if patches_left else rsdy
+    cdef Py_ssize_t rsb = rsdy if patches_left else ld
+    cdef Py_ssize_t mc = j1 - j0 if patches_left else OC
+    cdef Py_ssize_t ncols = OC if patches_left else j1 - j0
+    cdef real* c = acc + j0 * acc_ld if patches_left else acc + j0
+    cdef bint in_place = b_in_place_ok(ncols, <real>0)
     for pb in range(cdiv(rows, KC)):
         pc = pb * KC
         kc = min(KC, rows - pc)
         next_kc = min(KC, rows - pc - kc)
-        if patches_left and b_in_place_ok(OC, <real>0):
-            macro_kernel_ld(j1 - j0, OC, kc, 1, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld,
-                            dy + pc * rsdy, acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL,
-                            ACT_NONE, False, next_kc, False, rsdy)
-        elif patches_left:
-            pack_b_rows(kc, OC, dy + pc * rsdy, rsdy, bpack)
-            macro_kernel(j1 - j0, OC, kc, 0, cdiv(OC, NR), patches + pc * ld + j0, 1, ld, bpack,
-                         acc + j0 * acc_ld, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
-        elif b_in_place_ok(j1 - j0, <real>0):
-            macro_kernel_ld(OC, j1 - j0, kc, 1, 0, cdiv(j1 - j0, NR), dy + pc * rsdy, 1, rsdy,
-                            patches + pc * ld + j0, acc + j0, acc_ld, 1, 1, 1, True, NULL,
-                            ACT_NONE, False, next_kc, False, ld)
+        if in_place:
+            macro_kernel_ld(mc, ncols, kc, 1, 0, cdiv(ncols, NR), a + pc * lda, 1, lda,
+                            b + pc * rsb, c, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, False,
+                            next_kc, False, rsb)
         else:
-            pack_b_rows(kc, j1 - j0, patches + pc * ld + j0, ld, bpack)
-            macro_kernel(OC, j1 - j0, kc, 0, cdiv(j1 - j0, NR), dy + pc * rsdy, 1, rsdy, bpack,
-                         acc + j0, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
+            pack_b_rows(kc, ncols, b + pc * rsb, rsb, bpack)
+            macro_kernel(mc, ncols, kc, 0, cdiv(ncols, NR), a + pc * lda, 1, lda, bpack, c,
+                         acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
 
 
 cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K,
