@@ -322,6 +322,53 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N, H, W, C, OC", [
+    (1, 7, 7, 64, 128),      # 4 tiles (a 7x7 image at batch 1), one k-block
+    (1, 5, 5, 300, 32),      # k-blocks of 100: a partial transpose block each
+    (1, 4, 4, 130, 64),      # 1 tile: V's rows past it are zeros
+    (2, 3, 4, 48, 96),       # 2 tiles, one per image
+    (1, 8, 8, 16, 48),       # 4 whole tiles, input gradient of 16 channels
+    (1, 7, 7, 40, 40),       # float32: not whole vectors, the fused path
+])
+def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
+    """Per-call filters for at most 4 tiles on AVX-512 (winograd_few_nogil:
+    the transformed filters never stored, each row of points made next to
+    its products) against the fused path (the same sums in the same order)
+    and against float64 torch, forward with bias and relu6 and the input
+    gradient (the flipped weight: C and OC swap), on 1 and 2 threads."""
+    rng = np.random.default_rng(C * OC + H)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    dy = rng.standard_normal((N, H, W, OC)).astype(dtype)
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (1, 1), (1, 1), (H, W))
+    flipped = fastconv.conv._flipped_geometry(geo, (H, W))
+    previous_threads = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous_threads))
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
+        previous_few = kernels.set_winograd_few_tiles(4)
+        try:
+            check_against_direct(x, w, b, activation="relu6")
+            results = {}
+            for few, nt in ((4, 2), (4, 1), (0, 2)):
+                kernels.set_winograd_few_tiles(few)
+                fastconv.set_num_threads(nt)
+                results[few, nt] = (
+                    conv2d(x, w, b, padding=1, activation="relu6", algorithm="winograd"),
+                    fastconv.conv._winograd_data_grad(dy, w.reshape(OC, -1), 1, flipped,
+                                                      x.shape))
+        finally:
+            kernels.set_winograd_fused(*previous_fused)
+            kernels.set_winograd_few_tiles(previous_few)
+    for got, one_thread, fused in zip(results[4, 2], results[4, 1], results[0, 2]):
+        np.testing.assert_array_equal(got, one_thread)
+        np.testing.assert_allclose(got, fused, rtol=0, atol=rtol * np.abs(fused).max())
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 def test_packed_winograd_filters(isa, tile):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 7, 7, 32)).astype(np.float32)

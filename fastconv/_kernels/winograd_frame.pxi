@@ -63,8 +63,21 @@ cdef extern from "winograd_kernel.h":
     void fc_wino2_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
         int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
         int cols) noexcept nogil
+    void fc_wino_gcols_f32(Py_ssize_t n, const float* w, Py_ssize_t ts, Py_ssize_t tc,
+        float* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_gcols_rows_f32(Py_ssize_t n, const float* w, Py_ssize_t rsw, Py_ssize_t C,
+        float* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_few_f32(Py_ssize_t n, const float* tb, const float* vt, float* m,
+        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
+    void fc_wino_gcols_f64(Py_ssize_t n, const double* w, Py_ssize_t ts, Py_ssize_t tc,
+        double* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_gcols_rows_f64(Py_ssize_t n, const double* w, Py_ssize_t rsw, Py_ssize_t C,
+        double* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_few_f64(Py_ssize_t n, const double* tb, const double* vt, double* m,
+        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     enum:
         VBYTES "FC_VBYTES"
+        WINO_FEW_TILES "FC_WINO_FEW_TILES"
 
 cdef enum:
     # Fewest tiles per chunk: U (points x C x OC) is streamed once per chunk.
@@ -112,6 +125,29 @@ def set_winograd_fused(Py_ssize_t max_tiles, Py_ssize_t min_filter_values):
     previous = (wino_fused_max_tiles, wino_fused_min_values)
     wino_fused_max_tiles = max(0, max_tiles)
     wino_fused_min_values = max(0, min_filter_values)
+    return previous
+
+
+# Per-call filters for at most this many tiles (a 7x7 image at batch 1)
+# take winograd_few_nogil, which never stores U, where the fused path
+# applies and vectors have 32 registers (AVX-512: its 24 accumulators and
+# the six points of a row).  Zen 5, 2 threads, in one process alternating,
+# best/median GFLOPS fused -> few: 512->512 @7 b1 385/363 -> 458/444 (the
+# first version, transposing a whole panel of weights first: 424/403 ->
+# 473/443), 256->256 @7 386 -> 445 median (another run), 512->256 @7
+# 339 -> 403, 256->512 @8 456 -> 573, 128->128 @7 224 -> 255, 512->512 @5
+# 195 -> 234; its input gradient (512 @7 b1) 0.70 -> 0.53 ms.  A variable,
+# so that tests can drive the fused path with few tiles.
+cdef Py_ssize_t wino_few_max_tiles = WINO_FEW_TILES
+
+
+def set_winograd_few_tiles(Py_ssize_t max_tiles):
+    """Set the most tiles for which per-call filters take the few-tile path
+    (0: never; at most its 4) (tests only: not thread-safe); returns the
+    previous value."""
+    global wino_few_max_tiles
+    previous = wino_few_max_tiles
+    wino_few_max_tiles = max(0, min(max_tiles, WINO_FEW_TILES))
     return previous
 
 
@@ -505,6 +541,102 @@ cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     return 0
 
 
+cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                            const real* w, Py_ssize_t rsw, Py_ssize_t OC,
+                            const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
+                            bint flipped, bint accumulate, const WinoTiling* tl,
+                            Py_ssize_t tiles) noexcept nogil:
+    # F(4x4) for at most WINO_FEW_TILES tiles with filters transformed in
+    # this call (see fc_wino_few).  V of every tile first (tiles past the
+    # last zero), regrouped per row i of points as vt[i][c][j][tile]; then
+    # each task, one NR panel of output channels, takes a vector of output
+    # channels and a k-block at a time: the column half of their filters'
+    # transform into tb (per thread), then each row of points into M.
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t VL = VBYTES // sizeof(real)
+    cdef Py_ssize_t TB = 64 // sizeof(real)
+    cdef Py_ssize_t Q = WINO_FEW_TILES, C = g.C
+    cdef Py_ssize_t kc_blk = 128
+    cdef KBlock* blocks = <KBlock*>malloc(cdiv(C, kc_blk) * sizeof(KBlock))
+    if blocks == NULL:
+        return -1
+    cdef Py_ssize_t n_kb = uniform_k_blocks(C, kc_blk, blocks)
+    cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
+    cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
+    cdef Py_ssize_t sv = Q * ldv, sm = Q * ldm
+    cdef Py_ssize_t ldi = kc_max * 3 * VL, tb_size = 6 * ldi
+    cdef real* v = <real*>aligned_malloc(36 * sv * sizeof(real))
+    cdef real* vt = <real*>aligned_malloc(36 * Q * C * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(36 * sm * sizeof(real))
+    cdef real* tbs = <real*>aligned_malloc(nt * tb_size * sizeof(real))
+    if v == NULL or vt == NULL or m == NULL or tbs == NULL:
+        aligned_free(v)
+        aligned_free(vt)
+        aligned_free(m)
+        aligned_free(tbs)
+        free(blocks)
+        return -1
+    cdef Py_ssize_t t, p, i, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
+    cdef real* tb
+    cdef const real* vrow
+    if tiles < Q:
+        for p in range(36):
+            memset(v + p * sv + tiles * ldv, 0, (Q - tiles) * ldv * sizeof(real))
+    for t in prange(tiles, num_threads=nt, schedule="static"):
+        wino_input_tile(g, x, xs, tl, t, v + t * ldv, sv)
+    # Row i's 6 x Q rows of V (rows ldv apart) -> C x 6Q.
+    for i in prange(6, num_threads=nt, schedule="static"):
+        vrow = v + 6 * i * sv
+        for p in range(cdiv(6 * Q, TB) * cdiv(C, TB)):
+            r0 = p // cdiv(C, TB) * TB
+            c0 = p % cdiv(C, TB) * TB
+            if real is float:
+                fc_transpose_block_f32(r0, min(6 * Q, r0 + TB), c0, min(C, c0 + TB), vrow, ldv,
+                                       vt + i * C * 6 * Q, 6 * Q)
+            else:
+                fc_transpose_block_f64(r0, min(6 * Q, r0 + TB), c0, min(C, c0 + TB), vrow, ldv,
+                                       vt + i * C * 6 * Q, 6 * Q)
+    for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
+        oc0 = jp * NR
+        width = min(NR, OC - oc0)
+        tb = tbs + threadid() * tb_size
+        ov = 0
+        while ov < width:
+            for kb in range(n_kb):
+                kc0 = blocks[kb].k0
+                kcb = blocks[kb].kc
+                if flipped:
+                    if real is float:
+                        fc_wino_gcols_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, tb,
+                                          ldi)
+                    else:
+                        fc_wino_gcols_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, tb,
+                                          ldi)
+                else:
+                    if real is float:
+                        fc_wino_gcols_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
+                    else:
+                        fc_wino_gcols_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
+                for i in range(6):
+                    if real is float:
+                        fc_wino_few_f32(kcb, tb + i * ldi, vt + (i * C + kc0) * 6 * Q,
+                                        m + 6 * i * sm + oc0 + ov, sm, ldm, kb > 0)
+                    else:
+                        fc_wino_few_f64(kcb, tb + i * ldi, vt + (i * C + kc0) * 6 * Q,
+                                        m + 6 * i * sm + oc0 + ov, sm, ldm, kb > 0)
+            ov = ov + VL
+        for t in range(tiles):
+            wino_output_tile(g, m + t * ldm + oc0, sm, width,
+                             NULL if bias == NULL else bias + oc0, act, accumulate, tl, t,
+                             y + oc0, rsy)
+    aligned_free(v)
+    aligned_free(vt)
+    aligned_free(m)
+    aligned_free(tbs)
+    free(blocks)
+    return 0
+
+
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
@@ -522,6 +654,11 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t points = wino_points(tile)
     cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
+    if (prepacked == NULL and tile == 4 and tiles <= min(wino_few_max_tiles, wino_fused_max_tiles)
+            and VBYTES == 64 and OC % (VBYTES // sizeof(real)) == 0
+            and points * g.C * OC >= wino_fused_min_values):
+        return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,
+                                  accumulate, &tl, tiles)
     if (prepacked == NULL and tiles <= wino_fused_max_tiles
             and points * g.C * OC >= wino_fused_min_values):
         return winograd_fused_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,

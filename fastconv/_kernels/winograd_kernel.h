@@ -259,10 +259,112 @@
         for (; k < K; k++) FC_WINO_OUTPUT_STEP(T, T, A, M, AT, FC_WINO_ACT_SCALAR) \
     }
 
+/* F(4x4) for at most FC_WINO_FEW_TILES tiles with filters transformed per
+ * call (a 7x7 image at batch 1): each point of U = G g G^T would be used by
+ * that few rows of V only, so it is never stored; the column half, G g
+ * (6 x 3 per filter), is, and each row of points is finished in registers
+ * next to the products that use it.
+ *
+ * fc_wino_gcols: G g of n input channels of VL output channels (tap t of
+ * channel c at w + c*tc + t*ts, the output channels contiguous): row i,
+ * column s of channel c at tb + i*ldi + (c*3 + s)*VL.
+ * fc_wino_gcols_rows: the same from VL rows of a (OC x 9*C) OHWI weight
+ * (channel c of tap t of row o at w + o*rsw + t*C + c), transposed through
+ * an L1 block of FC_TB channels at a time.
+ * fc_wino_few: row i's six points U_ij (one 1-D transform of tb's row)
+ * times the V of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of tile
+ * q, for channel c at vt[c*6*Q + j*Q + q] (one line or two a channel: a
+ * single pointer walks them all), added into m[j*sm + q*ldm] when add,
+ * else stored there. */
+enum { FC_WINO_FEW_TILES = 4 };
+
+#define FC_DEFINE_WINOGRAD_FEW(SUFFIX, T)                                       \
+    static inline void fc_wino_gcols_##SUFFIX(                                  \
+        ptrdiff_t n, const T *w, ptrdiff_t ts, ptrdiff_t tc, T *restrict tb,    \
+        ptrdiff_t ldi)                                                          \
+    {                                                                           \
+        typedef fc_vec_##SUFFIX V;                                              \
+        enum { VL = FC_VBYTES / sizeof(T) };                                    \
+        for (ptrdiff_t c = 0; c < n; c++) {                                     \
+            V g_[3][3], col_[3], out_[6];                                       \
+            FC_UNROLL for (int t = 0; t < 9; t++)                               \
+                memcpy(&g_[t / 3][t % 3], w + c * tc + t * ts, sizeof(V));      \
+            FC_UNROLL for (int s = 0; s < 3; s++) {                             \
+                FC_UNROLL for (int r = 0; r < 3; r++) col_[r] = g_[r][s];       \
+                FC_WINO_G(T, col_, out_);                                       \
+                FC_UNROLL for (int i = 0; i < 6; i++)                           \
+                    memcpy(tb + i * ldi + (c * 3 + s) * VL, &out_[i],           \
+                           sizeof(V));                                          \
+            }                                                                   \
+        }                                                                       \
+    }                                                                           \
+                                                                                \
+    static void fc_wino_gcols_rows_##SUFFIX(                                    \
+        ptrdiff_t n, const T *w, ptrdiff_t rsw, ptrdiff_t C, T *restrict tb,    \
+        ptrdiff_t ldi)                                                          \
+    {                                                                           \
+        enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
+        T wl[9 * TB * VL] __attribute__((aligned(64)));                         \
+        for (ptrdiff_t c0 = 0; c0 < n; c0 += TB) {                              \
+            ptrdiff_t nc = n - c0 < TB ? n - c0 : TB;                           \
+            if (nc == TB && VL == TB) {                                         \
+                /* Straight from the rows, 32-byte squares in registers. */      \
+                enum { SQ = 32 / sizeof(T) };                                   \
+                FC_UNROLL for (int t = 0; t < 9; t++)                           \
+                    FC_UNROLL for (int o = 0; o < VL; o += SQ)                  \
+                        FC_UNROLL for (int q = 0; q < TB; q += SQ)              \
+                            fc_transpose_sq_##SUFFIX(                           \
+                                w + o * rsw + t * C + c0 + q, rsw,              \
+                                wl + t * TB * VL + q * VL + o, VL);             \
+            } else                                                              \
+            for (int t = 0; t < 9; t++)                                         \
+                for (ptrdiff_t o = 0; o < VL; o += TB)                          \
+                    fc_transpose_block_##SUFFIX(o, o + TB < VL ? o + TB : VL, 0, nc, \
+                                                w + t * C + c0, rsw,            \
+                                                wl + t * TB * VL, VL);          \
+            fc_wino_gcols_##SUFFIX(nc, wl, TB * VL, VL, tb + c0 * 3 * VL, ldi); \
+        }                                                                       \
+    }                                                                           \
+                                                                                \
+    static void fc_wino_few_##SUFFIX(                                           \
+        ptrdiff_t n, const T *tb, const T *vt, T *m, ptrdiff_t sm,              \
+        ptrdiff_t ldm, int add)                                                 \
+    {                                                                           \
+        typedef fc_vec_##SUFFIX V;                                              \
+        enum { VL = FC_VBYTES / sizeof(T), Q = FC_WINO_FEW_TILES };             \
+        V acc[6][Q];                                                            \
+        FC_UNROLL for (int j = 0; j < 6; j++)                                   \
+            FC_UNROLL for (int q = 0; q < Q; q++) acc[j][q] = (V){0};           \
+        for (ptrdiff_t c = 0; c < n; c++) {                                     \
+            V t_[3], u_[6];                                                     \
+            FC_UNROLL for (int s = 0; s < 3; s++)                               \
+                memcpy(&t_[s], tb + (c * 3 + s) * VL, sizeof(V));               \
+            FC_WINO_G(T, t_, u_);                                               \
+            FC_UNROLL for (int j = 0; j < 6; j++)                               \
+                FC_UNROLL for (int q = 0; q < Q; q++) {                         \
+                    T x_;                                                       \
+                    memcpy(&x_, vt + c * 6 * Q + j * Q + q, sizeof(T));         \
+                    acc[j][q] += x_ * u_[j];                                    \
+                }                                                               \
+        }                                                                       \
+        /* A k-block's sum is added to M's, not M carried through it: the    \
+           blocked sum's smaller rounding error (2-3x, C = 512). */            \
+        FC_UNROLL for (int j = 0; j < 6; j++)                                   \
+            FC_UNROLL for (int q = 0; q < Q; q++) {                             \
+                if (add) {                                                      \
+                    V o_;                                                       \
+                    memcpy(&o_, m + j * sm + q * ldm, sizeof(V));               \
+                    acc[j][q] += o_;                                            \
+                }                                                               \
+                memcpy(m + j * sm + q * ldm, &acc[j][q], sizeof(V));            \
+            }                                                                   \
+    }
+
 #define FC_DEFINE_WINOGRAD(SUFFIX, T, ITYPE)                                    \
     typedef ITYPE fc_wino_mask_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
     FC_DEFINE_WINOGRAD_VARIANT(fc_wino, SUFFIX, T, 6, 4, FC_WINO_BT, FC_WINO_G, \
                                FC_WINO_AT)                                      \
+    FC_DEFINE_WINOGRAD_FEW(SUFFIX, T)                                           \
     FC_DEFINE_WINOGRAD_VARIANT(fc_wino2, SUFFIX, T, 4, 2, FC_WINO2_BT,          \
                                FC_WINO2_G, FC_WINO2_AT)
 
