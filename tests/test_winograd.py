@@ -330,11 +330,14 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     (2, 3, 4, 48, 96),       # 2 tiles, one per image
     (1, 8, 8, 16, 48),       # 4 whole tiles, input gradient of 16 channels
     (1, 7, 7, 40, 40),       # float32: not whole vectors, the fused path
+    (2, 7, 7, 32, 64),       # 8 tiles: two groups of 4
+    (1, 7, 11, 48, 16),      # 6 tiles: the second group half zeros
+    (1, 9, 9, 32, 32),       # 9 tiles: the fused path
 ])
 def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
-    """Per-call filters for at most 4 tiles on AVX-512 (winograd_few_nogil:
-    the transformed filters never stored, each row of points made next to
-    its products) against the fused path (the same sums in the same order)
+    """Per-call filters for at most 8 tiles on AVX-512 (winograd_few_nogil:
+    the transformed filters never stored, each row of points made per group
+    of 4 tiles next to its products) against the fused path (the same sums in the same order)
     and against float64 torch, forward with bias and relu6 and the input
     gradient (the flipped weight: C and OC swap), on 1 and 2 threads."""
     rng = np.random.default_rng(C * OC + H)
@@ -349,11 +352,11 @@ def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
     rtol = 1e-5 if dtype == np.float32 else 1e-12
     with fastconv._dispatch.use_isa(isa) as kernels:
         previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
-        previous_few = kernels.set_winograd_few_tiles(4)
+        previous_few = kernels.set_winograd_few_tiles(8)
         try:
             check_against_direct(x, w, b, activation="relu6")
             results = {}
-            for few, nt in ((4, 2), (4, 1), (0, 2)):
+            for few, nt in ((8, 2), (8, 1), (0, 2)):
                 kernels.set_winograd_few_tiles(few)
                 fastconv.set_num_threads(nt)
                 results[few, nt] = (
@@ -363,7 +366,7 @@ def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
         finally:
             kernels.set_winograd_fused(*previous_fused)
             kernels.set_winograd_few_tiles(previous_few)
-    for got, one_thread, fused in zip(results[4, 2], results[4, 1], results[0, 2]):
+    for got, one_thread, fused in zip(results[8, 2], results[8, 1], results[0, 2]):
         np.testing.assert_array_equal(got, one_thread)
         np.testing.assert_allclose(got, fused, rtol=0, atol=rtol * np.abs(fused).max())
 

@@ -88,6 +88,8 @@ cdef enum:
     # better with shared chunks).
     WINO_OWN_CHUNK_BYTES = 512 * 1024
     WINO_OWN_MAX_U_BYTES = 4 * 1024 * 1024
+    # Most tiles for winograd_few_nogil (see wino_few_max_tiles).
+    WINO_FEW_MAX_TILES = 8
     # A task's transformed filters in winograd_fused_nogil (P x kc x NR):
     # within an L2 with the V rows and M tiles they multiply.
     WINO_FUSED_PANEL_BYTES = 640 * 1024
@@ -128,26 +130,29 @@ def set_winograd_fused(Py_ssize_t max_tiles, Py_ssize_t min_filter_values):
     return previous
 
 
-# Per-call filters for at most this many tiles (a 7x7 image at batch 1)
-# take winograd_few_nogil, which never stores U, where the fused path
-# applies and vectors have 32 registers (AVX-512: its 24 accumulators and
-# the six points of a row).  Zen 5, 2 threads, in one process alternating,
-# best/median GFLOPS fused -> few: 512->512 @7 b1 385/363 -> 458/444 (the
-# first version, transposing a whole panel of weights first: 424/403 ->
-# 473/443), 256->256 @7 386 -> 445 median (another run), 512->256 @7
-# 339 -> 403, 256->512 @8 456 -> 573, 128->128 @7 224 -> 255, 512->512 @5
-# 195 -> 234; its input gradient (512 @7 b1) 0.70 -> 0.53 ms.  A variable,
-# so that tests can drive the fused path with few tiles.
-cdef Py_ssize_t wino_few_max_tiles = WINO_FEW_TILES
+# Per-call filters for at most wino_few_max_tiles tiles (a 7x7 image at
+# batch 1 or 2) take winograd_few_nogil, which never stores U, where the
+# fused path applies and vectors have 32 registers (AVX-512: its 24
+# accumulators and the six points of a row).  Zen 5, 2 threads, in one
+# process alternating, best/median GFLOPS fused -> few: 4 tiles: 512->512
+# @7 b1 385/363 -> 458/444, 256->256 @7 386 -> 445 median (another run),
+# 512->256 @7 339 -> 403, 256->512 @8 456 -> 573, 128->128 @7 224 -> 255,
+# 512->512 @5 195 -> 234, the input gradient of 512 @7 b1 0.70 -> 0.53 ms;
+# 8 tiles (two groups of 4, b2): 512->512 @7 577 -> 619, 256->256 541 ->
+# 593, 128->128 310 -> 364; but 9 tiles (256->512 @9 b1, 3 groups) 441 ->
+# 366, 12 (512 @7 b3) 656 -> 675, 16 (256 @14 b1) 758 -> 753, 32 (512 @7
+# b8) 966 -> 843, 49 (128 @28 b1) 1187 -> 945: U stored once serves more
+# tiles than a row of points made per group of 4 costs.  A variable, so
+# that tests can drive the fused path with few tiles.
+cdef Py_ssize_t wino_few_max_tiles = WINO_FEW_MAX_TILES
 
 
 def set_winograd_few_tiles(Py_ssize_t max_tiles):
     """Set the most tiles for which per-call filters take the few-tile path
-    (0: never; at most its 4) (tests only: not thread-safe); returns the
-    previous value."""
+    (0: never) (tests only: not thread-safe); returns the previous value."""
     global wino_few_max_tiles
     previous = wino_few_max_tiles
-    wino_few_max_tiles = max(0, min(max_tiles, WINO_FEW_TILES))
+    wino_few_max_tiles = max(0, max_tiles)
     return previous
 
 
@@ -546,16 +551,19 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
                             bint flipped, bint accumulate, const WinoTiling* tl,
                             Py_ssize_t tiles) noexcept nogil:
-    # F(4x4) for at most WINO_FEW_TILES tiles with filters transformed in
-    # this call (see fc_wino_few).  V of every tile first (tiles past the
-    # last zero), regrouped per row i of points as vt[i][c][j][tile]; then
-    # each task, one NR panel of output channels, takes a vector of output
-    # channels and a k-block at a time: the column half of their filters'
-    # transform into tb (per thread), then each row of points into M.
+    # F(4x4) with filters transformed in this call, for few tiles (see
+    # fc_wino_few), in groups of Q = WINO_FEW_TILES (the last padded with
+    # zero tiles).  V of every tile first, group by group (group, point,
+    # tile, c), then regrouped per group and row i of points as vt[c][j][q]
+    # (C x 6Q); then each task, one NR panel of output channels, takes a
+    # vector of output channels and a k-block at a time: the column half of
+    # their filters' transform into tb (per thread), then each group's rows
+    # of points into M (point, tile, OC).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t TB = 64 // sizeof(real)
     cdef Py_ssize_t Q = WINO_FEW_TILES, C = g.C
+    cdef Py_ssize_t groups = cdiv(tiles, Q)
     cdef Py_ssize_t kc_blk = 128
     cdef KBlock* blocks = <KBlock*>malloc(cdiv(C, kc_blk) * sizeof(KBlock))
     if blocks == NULL:
@@ -563,10 +571,10 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t n_kb = uniform_k_blocks(C, kc_blk, blocks)
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
-    cdef Py_ssize_t sv = Q * ldv, sm = Q * ldm
-    cdef Py_ssize_t ldi = kc_max * 3 * VL, tb_size = 6 * ldi
-    cdef real* v = <real*>aligned_malloc(36 * sv * sizeof(real))
-    cdef real* vt = <real*>aligned_malloc(36 * Q * C * sizeof(real))
+    cdef Py_ssize_t sv = Q * ldv, sg = 36 * sv, sm = groups * Q * ldm
+    cdef Py_ssize_t ldi = kc_max * 3 * VL, tb_size = 6 * ldi, svt = 6 * Q * C
+    cdef real* v = <real*>aligned_malloc(groups * sg * sizeof(real))
+    cdef real* vt = <real*>aligned_malloc(groups * 6 * svt * sizeof(real))
     cdef real* m = <real*>aligned_malloc(36 * sm * sizeof(real))
     cdef real* tbs = <real*>aligned_malloc(nt * tb_size * sizeof(real))
     if v == NULL or vt == NULL or m == NULL or tbs == NULL:
@@ -576,26 +584,29 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         aligned_free(tbs)
         free(blocks)
         return -1
-    cdef Py_ssize_t t, p, i, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
+    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
+    cdef Py_ssize_t n_cb = cdiv(C, TB)
     cdef real* tb
     cdef const real* vrow
-    if tiles < Q:
+    if tiles < groups * Q:
         for p in range(36):
-            memset(v + p * sv + tiles * ldv, 0, (Q - tiles) * ldv * sizeof(real))
+            memset(v + (groups - 1) * sg + p * sv + (tiles % Q) * ldv, 0,
+                   (groups * Q - tiles) * ldv * sizeof(real))
     for t in prange(tiles, num_threads=nt, schedule="static"):
-        wino_input_tile(g, x, xs, tl, t, v + t * ldv, sv)
-    # Row i's 6 x Q rows of V (rows ldv apart) -> C x 6Q.
-    for i in prange(6, num_threads=nt, schedule="static"):
-        vrow = v + 6 * i * sv
-        for p in range(cdiv(6 * Q, TB) * cdiv(C, TB)):
-            r0 = p // cdiv(C, TB) * TB
-            c0 = p % cdiv(C, TB) * TB
+        wino_input_tile(g, x, xs, tl, t, v + t // Q * sg + t % Q * ldv, sv)
+    # A group's row i: 6 x Q rows of V, ldv apart -> C x 6Q, through full
+    # blocks of TB rows (the last block overlapping the one before).
+    for gi in prange(groups * 6, num_threads=nt, schedule="static"):
+        vrow = v + gi // 6 * sg + gi % 6 * 6 * sv
+        for p in range(cdiv(6 * Q, TB) * n_cb):
+            r0 = min(p // n_cb * TB, 6 * Q - TB)
+            c0 = p % n_cb * TB
             if real is float:
-                fc_transpose_block_f32(r0, min(6 * Q, r0 + TB), c0, min(C, c0 + TB), vrow, ldv,
-                                       vt + i * C * 6 * Q, 6 * Q)
+                fc_transpose_block_f32(r0, r0 + TB, c0, min(C, c0 + TB), vrow, ldv,
+                                       vt + gi * svt, 6 * Q)
             else:
-                fc_transpose_block_f64(r0, min(6 * Q, r0 + TB), c0, min(C, c0 + TB), vrow, ldv,
-                                       vt + i * C * 6 * Q, 6 * Q)
+                fc_transpose_block_f64(r0, r0 + TB, c0, min(C, c0 + TB), vrow, ldv,
+                                       vt + gi * svt, 6 * Q)
     for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
         oc0 = jp * NR
         width = min(NR, OC - oc0)
@@ -617,13 +628,16 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                         fc_wino_gcols_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
                     else:
                         fc_wino_gcols_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
-                for i in range(6):
+                for gi in range(groups * 6):
+                    i = gi % 6
                     if real is float:
-                        fc_wino_few_f32(kcb, tb + i * ldi, vt + (i * C + kc0) * 6 * Q,
-                                        m + 6 * i * sm + oc0 + ov, sm, ldm, kb > 0)
+                        fc_wino_few_f32(kcb, tb + i * ldi, vt + gi * svt + kc0 * 6 * Q,
+                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
+                                        kb > 0)
                     else:
-                        fc_wino_few_f64(kcb, tb + i * ldi, vt + (i * C + kc0) * 6 * Q,
-                                        m + 6 * i * sm + oc0 + ov, sm, ldm, kb > 0)
+                        fc_wino_few_f64(kcb, tb + i * ldi, vt + gi * svt + kc0 * 6 * Q,
+                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
+                                        kb > 0)
             ov = ov + VL
         for t in range(tiles):
             wino_output_tile(g, m + t * ldm + oc0, sm, width,

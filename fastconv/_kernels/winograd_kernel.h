@@ -259,11 +259,11 @@
         for (; k < K; k++) FC_WINO_OUTPUT_STEP(T, T, A, M, AT, FC_WINO_ACT_SCALAR) \
     }
 
-/* F(4x4) for at most FC_WINO_FEW_TILES tiles with filters transformed per
- * call (a 7x7 image at batch 1): each point of U = G g G^T would be used by
- * that few rows of V only, so it is never stored; the column half, G g
- * (6 x 3 per filter), is, and each row of points is finished in registers
- * next to the products that use it.
+/* F(4x4) for few tiles with filters transformed per call (a 7x7 image at
+ * batch 1 has 4): each point of U = G g G^T would be used by that few rows
+ * of V only, so it is never stored; the column half, G g (6 x 3 per
+ * filter), is, and each row of points is finished in registers next to the
+ * products that use it, once per group of FC_WINO_FEW_TILES tiles.
  *
  * fc_wino_gcols: G g of n input channels of VL output channels (tap t of
  * channel c at w + c*tc + t*ts, the output channels contiguous): row i,
