@@ -249,7 +249,11 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     tiles with 256x256 channels and more: GFLOPS best/median vs implicit,
     512->512 @7 b1 252/233 vs 184/173, 256->256 @7 b1 237/224 vs 181/165,
     512->512 @14 b1 439/381 vs 196/173; with 128x128 @7 b1 they tied
-    (127-129 vs 136-137)."""
+    (127-129 vs 136-137).  Zen 5, with the kernels' few-tile path (at most
+    8 tiles, AVX-512: U never stored), in one process: 512->512 @7 b1
+    458/444 vs 386/370, 256->256 @7 b1 373/358 vs 351/345; below 256x256
+    channels the rule stands: 128->128 @7 b1 268/255 vs 253/238 (a tie in
+    the noise), 64->128 @7 b1 203/197 vs 252/238."""
     if Cg < 16 or OCg < 16:
         return False
     tiles = _winograd_tiles(N, geo)
