@@ -273,9 +273,10 @@
  * an L1 block of FC_TB channels at a time.
  * fc_wino_few: row i's six points U_ij (one 1-D transform of tb's row)
  * times the V of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of tile
- * q, for channel c at vt[c*6*Q + j*Q + q] (one line or two a channel: a
- * single pointer walks them all), added into m[j*sm + q*ldm] when add,
- * else stored there. */
+ * q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
+ * contiguous, so that one pointer walks them all: 24 row pointers ran out
+ * of registers and reloaded their offsets from the stack), added into
+ * m[j*sm + q*ldm] when add, else stored there. */
 enum { FC_WINO_FEW_TILES = 4 };
 
 #define FC_DEFINE_WINOGRAD_FEW(SUFFIX, T)                                       \
@@ -317,10 +318,8 @@ enum { FC_WINO_FEW_TILES = 4 };
                                 w + o * rsw + t * C + c0 + q, rsw,              \
                                 wl + t * TB * VL + q * VL + o, VL);             \
             } else                                                              \
-            for (int t = 0; t < 9; t++)                                         \
-                for (ptrdiff_t o = 0; o < VL; o += TB)                          \
-                    fc_transpose_block_##SUFFIX(o, o + TB < VL ? o + TB : VL, 0, nc, \
-                                                w + t * C + c0, rsw,            \
+                for (int t = 0; t < 9; t++)   /* VL <= TB: one block a tap */   \
+                    fc_transpose_block_##SUFFIX(0, VL, 0, nc, w + t * C + c0, rsw, \
                                                 wl + t * TB * VL, VL);          \
             fc_wino_gcols_##SUFFIX(nc, wl, TB * VL, VL, tb + c0 * 3 * VL, ldi); \
         }                                                                       \
