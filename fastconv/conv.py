@@ -616,8 +616,12 @@ def _weight_grad(dy, x, groups, geo):
         return np.ascontiguousarray(
             dw_taps.reshape(KH, KW, KG, groups, KG).transpose(3, 4, 0, 1, 2)).reshape(OC, -1)
     dy_rows = _unit_columns(_pixel_matrix(dy))
-    pointwise = _is_pointwise(geo, x.shape[1:3])
-    if _groups_in_parallel(groups, nt) and not pointwise:
+    if _groups_in_parallel(groups, nt):
+        # 1x1 layers too, since their weight gradient left the GEMM for the
+        # same kernel: Zen 5, 2 threads, best/median GFLOPS group by group
+        # vs groups in parallel: 256->256 g4 @28 b8 281/269 vs 367/355,
+        # 240->240 g8 @28 b8 75/73 vs 150/146, 128->128 g4 @56 b1 208/196
+        # vs 338/325 (the same sums: equal results).
         kernels.conv2d_grad_weight_groups(x, dy_rows, dw, groups, *geo, nt)
         return dw
     for c, oc in _group_slices(groups, C, OC):

@@ -1534,6 +1534,8 @@ def test_packed_weights_of_another_layer_are_refused():
     (4, 64, 64, 3, dict(padding=1)),                    # 16 per group: Winograd
     (32, 128, 128, 3, dict(padding=1)),                 # ResNeXt: 4 channels per group
     (4, 16, 8, 1, dict(stride=2)),                      # strided 1x1
+    (4, 16, 32, 1, {}),                                 # 1x1, more out than in per group
+    (2, 32, 16, 1, {}),                                 # 1x1, fewer
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_groups_in_parallel_match_torch_and_each_other(groups, C, OC, kernel, kwargs, dtype,
