@@ -29,57 +29,89 @@ cdef extern from *:
     FC_DEFINE_MAX_INTO(f32, float)
     FC_DEFINE_MAX_INTO(f64, double)
 
-    /* y[c] = the max over ntaps input pixels taps[t][c], c < n, with
-       fc_max_into's rules (ties keep the earlier tap, a NaN wins).  Four
-       vectors of channels stay in registers across the taps, as in the
-       depthwise kernel: fc_max_into per tap reloaded and stored y each time,
-       a chain through memory that held ResNet-18's 3x3/2 pool at batch 1
-       (112x112x64) to 120 us standalone. */
+    /* y[c] = the max over ntaps input pixels taps[t][c], c < n, and -inf
+       (the padding), with fc_max_into's rules (ties keep the earlier tap, a
+       NaN wins); winner[c], when winner is not NULL, = the winning tap's
+       ids[t], or 0 where no tap beats -inf.  Four vectors of channels (and
+       their winners) stay in registers across the taps, as in the depthwise
+       kernel: fc_max_into per tap reloaded and stored y each time, a chain
+       through memory that held ResNet-18's 3x3/2 pool at batch 1
+       (112x112x64) to 120 us standalone.  Inlined at call sites that pass
+       NULL, the winner code folds away. */
     #define FC_DEFINE_MAX_TAPS(SUFFIX, T, IT)                                  \
         typedef T fc_poolvec_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
         typedef IT fc_poolmask_##SUFFIX __attribute__((vector_size(FC_VBYTES)));\
-        static inline fc_poolvec_##SUFFIX fc_max_vec_##SUFFIX(                \
-            fc_poolvec_##SUFFIX cur, fc_poolvec_##SUFFIX v)                   \
+        static inline fc_poolmask_##SUFFIX fc_max_vec_##SUFFIX(               \
+            fc_poolvec_##SUFFIX *cur, fc_poolvec_##SUFFIX v)                  \
         {                                                                     \
-            fc_poolmask_##SUFFIX take = (v > cur) | (v != v);                 \
-            return (fc_poolvec_##SUFFIX)(((fc_poolmask_##SUFFIX)v & take)     \
-                                         | ((fc_poolmask_##SUFFIX)cur & ~take)); \
+            fc_poolmask_##SUFFIX take = (v > *cur) | (v != v);                \
+            *cur = (fc_poolvec_##SUFFIX)(((fc_poolmask_##SUFFIX)v & take)     \
+                                         | ((fc_poolmask_##SUFFIX)*cur & ~take)); \
+            return take;                                                      \
+        }                                                                     \
+        static inline void fc_store_winners_##SUFFIX(uint16_t *w,             \
+                                                     fc_poolmask_##SUFFIX idx) \
+        {                                                                     \
+            FC_UNROLL for (int l = 0; l < FC_VBYTES / (int)sizeof(T); l++)    \
+                w[l] = (uint16_t)idx[l];                                      \
         }                                                                     \
         static inline void fc_max_taps_##SUFFIX(T *restrict y,                \
+                                                uint16_t *restrict winner,    \
                                                 const T *const *taps,         \
+                                                const int *ids,               \
                                                 ptrdiff_t ntaps, ptrdiff_t n) \
         {                                                                     \
             typedef fc_poolvec_##SUFFIX vec;                                  \
+            typedef fc_poolmask_##SUFFIX mask;                                \
             enum { VL = FC_VBYTES / sizeof(T) };                              \
+            const T neg_inf = -(T)INFINITY;                                   \
             ptrdiff_t c = 0;                                                  \
             for (; c + 4 * VL <= n; c += 4 * VL) {                            \
                 vec acc[4], v;                                                \
-                FC_UNROLL for (int u = 0; u < 4; u++)                         \
-                    memcpy(&acc[u], taps[0] + c + u * VL, FC_VBYTES);         \
-                for (ptrdiff_t t = 1; t < ntaps; t++)                         \
+                mask idx[4];                                                  \
+                FC_UNROLL for (int u = 0; u < 4; u++) {                       \
+                    acc[u] = neg_inf - (vec){0};                              \
+                    idx[u] = (mask){0};                                       \
+                }                                                             \
+                for (ptrdiff_t t = 0; t < ntaps; t++)                         \
                     FC_UNROLL for (int u = 0; u < 4; u++) {                   \
                         memcpy(&v, taps[t] + c + u * VL, FC_VBYTES);          \
-                        acc[u] = fc_max_vec_##SUFFIX(acc[u], v);              \
+                        mask take = fc_max_vec_##SUFFIX(&acc[u], v);          \
+                        if (winner)                                           \
+                            idx[u] = (idx[u] & ~take) | ((IT)ids[t] & take);  \
                     }                                                         \
-                FC_UNROLL for (int u = 0; u < 4; u++)                         \
+                FC_UNROLL for (int u = 0; u < 4; u++) {                       \
                     memcpy(y + c + u * VL, &acc[u], FC_VBYTES);               \
+                    if (winner)                                               \
+                        fc_store_winners_##SUFFIX(winner + c + u * VL, idx[u]); \
+                }                                                             \
             }                                                                 \
             for (; c + VL <= n; c += VL) {                                    \
-                vec acc, v;                                                   \
-                memcpy(&acc, taps[0] + c, FC_VBYTES);                         \
-                for (ptrdiff_t t = 1; t < ntaps; t++) {                       \
+                vec acc = neg_inf - (vec){0}, v;                              \
+                mask idx = (mask){0};                                         \
+                for (ptrdiff_t t = 0; t < ntaps; t++) {                       \
                     memcpy(&v, taps[t] + c, FC_VBYTES);                       \
-                    acc = fc_max_vec_##SUFFIX(acc, v);                        \
+                    mask take = fc_max_vec_##SUFFIX(&acc, v);                 \
+                    if (winner)                                               \
+                        idx = (idx & ~take) | ((IT)ids[t] & take);            \
                 }                                                             \
                 memcpy(y + c, &acc, FC_VBYTES);                               \
+                if (winner)                                                   \
+                    fc_store_winners_##SUFFIX(winner + c, idx);               \
             }                                                                 \
             for (; c < n; c++) {                                              \
-                T cur = taps[0][c];                                           \
-                for (ptrdiff_t t = 1; t < ntaps; t++) {                       \
+                T cur = neg_inf;                                              \
+                int id = 0;                                                   \
+                for (ptrdiff_t t = 0; t < ntaps; t++) {                       \
                     T v = taps[t][c];                                         \
-                    cur = (v > cur || v != v) ? v : cur;                      \
+                    if (v > cur || v != v) {                                  \
+                        cur = v;                                              \
+                        id = ids[t];                                          \
+                    }                                                         \
                 }                                                             \
                 y[c] = cur;                                                   \
+                if (winner)                                                   \
+                    winner[c] = (uint16_t)id;                                 \
             }                                                                 \
         }
     FC_DEFINE_MAX_TAPS(f32, float, int32_t)
@@ -87,14 +119,14 @@ cdef extern from *:
     """
     void fc_max_into_f32(float* y, const float* src, Py_ssize_t n) noexcept nogil
     void fc_max_into_f64(double* y, const double* src, Py_ssize_t n) noexcept nogil
-    void fc_max_taps_f32(float* y, const float* const* taps, Py_ssize_t ntaps,
-                         Py_ssize_t n) noexcept nogil
-    void fc_max_taps_f64(double* y, const double* const* taps, Py_ssize_t ntaps,
-                         Py_ssize_t n) noexcept nogil
+    void fc_max_taps_f32(float* y, uint16_t* winner, const float* const* taps,
+                         const int* ids, Py_ssize_t ntaps, Py_ssize_t n) noexcept nogil
+    void fc_max_taps_f64(double* y, uint16_t* winner, const double* const* taps,
+                         const int* ids, Py_ssize_t ntaps, Py_ssize_t n) noexcept nogil
 
-# Windows of at most this many taps take their maxima in registers
-# (fc_max_taps, a stack array of tap pointers); larger ones, and the
-# training pass that records the winning tap, go tap by tap.
+# Windows of at most this many taps take their maxima (and winners) in
+# registers (fc_max_taps, a stack array of tap pointers); larger ones go
+# tap by tap.
 cdef enum:
     MAX_REGISTER_TAPS = 64
 
@@ -111,10 +143,13 @@ cdef void max_pool_row(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssi
     cdef uint16_t* wp = NULL
     cdef const real* src
     cdef const real* taps[MAX_REGISTER_TAPS]
+    cdef int ids[MAX_REGISTER_TAPS]
     cdef real v, neg_inf = -INFINITY
-    cdef bint in_registers = winner == NULL and g.KH * g.KW <= MAX_REGISTER_TAPS
+    cdef bint in_registers = g.KH * g.KW <= MAX_REGISTER_TAPS
     for ow in range(g.OW):
         yp = y + ((n * g.OH + oh) * g.OW + ow) * g.C
+        if winner != NULL:
+            wp = winner + ((n * g.OH + oh) * g.OW + ow) * g.C
         if in_registers:
             ntaps = 0
             for kh in range(g.KH):
@@ -125,19 +160,23 @@ cdef void max_pool_row(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssi
                     iw = ow * g.SW - g.PL + kw * g.DW
                     if 0 <= iw < g.W:
                         taps[ntaps] = x + n * xs.n + ih * xs.h + iw * xs.w
+                        ids[ntaps] = kh * g.KW + kw
                         ntaps += 1
-            if ntaps == 0:
-                for c in range(g.C):
-                    yp[c] = neg_inf
+            # Two calls, so that the inference one inlines without the
+            # winners.
+            if winner == NULL:
+                if real is float:
+                    fc_max_taps_f32(yp, NULL, taps, ids, ntaps, g.C)
+                else:
+                    fc_max_taps_f64(yp, NULL, taps, ids, ntaps, g.C)
             elif real is float:
-                fc_max_taps_f32(yp, taps, ntaps, g.C)
+                fc_max_taps_f32(yp, wp, taps, ids, ntaps, g.C)
             else:
-                fc_max_taps_f64(yp, taps, ntaps, g.C)
+                fc_max_taps_f64(yp, wp, taps, ids, ntaps, g.C)
             continue
         for c in range(g.C):
             yp[c] = neg_inf
         if winner != NULL:
-            wp = winner + ((n * g.OH + oh) * g.OW + ow) * g.C
             for c in range(g.C):
                 wp[c] = 0
         for kh in range(g.KH):
