@@ -278,10 +278,10 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     """The compiled max pool (fastconv._kernels max_pool2d and its
     backward) against the numpy formulation it replaced, bit for bit,
     values and winning taps (the gradient to rounding): ties (many equal
-    values, +0 and -0), NaN, -inf and inf, odd sizes, views.  The
-    inference pass (no winners) equals the training pass bit for bit; 75
-    channels reach its blocks of four vectors and its one-vector and
-    scalar tails on every ISA build."""
+    values, +0 and -0), NaN, -inf and inf (windows of only -inf: tap 0
+    wins), odd sizes, views.  The inference pass (no winners) equals the
+    training pass bit for bit; 75 channels reach their blocks of four
+    vectors and their one-vector and scalar tails on every ISA build."""
     rng = np.random.default_rng(2)
     base = rng.integers(-3, 3, (3, 11, 13, channels)).astype(dtype)   # many ties
     base[rng.random(base.shape) < 0.1] = -0.0
@@ -289,6 +289,7 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     base[1, 4, 4, 2] = -np.inf
     base[2, 5, 6, 3] = np.inf
     base[1, 7, 2, :] = np.nan                        # a whole pixel of NaN
+    base[0, :3, :3, 4::66] = -np.inf                 # windows of nothing but -inf
     x = {"contiguous": base, "strided": base[:, ::2, 1::2, :17],
          "reversed": base[:, ::-1, ::-1]}[view]
     layer = nn.MaxPool2d(kernel, stride, padding, dilation)
