@@ -269,7 +269,8 @@ def test_maxpool_backward_on_two_threads_matches_torch(kernel, stride, padding, 
 
 
 @pytest.mark.parametrize("kernel, stride, padding, dilation", [
-    (3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 2), ((3, 2), (1, 2), (1, 0), 1), (1, 1, 0, 1)])
+    (3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 2), ((3, 2), (1, 2), (1, 0), 1), (1, 1, 0, 1),
+    (9, 2, 4, 1)])                                   # 81 taps
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("view", ["contiguous", "strided", "reversed"])
 @pytest.mark.parametrize("channels", [21, 75])

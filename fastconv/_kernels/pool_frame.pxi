@@ -12,31 +12,15 @@ cdef extern from *:
     """
     #include "micro_kernel.h"       /* FC_VBYTES, FC_UNROLL */
 
-    /* y[c] = max(y[c], src[c]) over n channels, a NaN in src winning (as
-       numpy's maximum propagates it).  In C for restrict: Cython's loop on
-       two real* it could not prove apart stayed scalar (ResNet-18's 3x3/2
-       pool at batch 1 took 0.26 ms of a 7 ms network on 2 Zen 5 cores). */
-    #define FC_DEFINE_MAX_INTO(SUFFIX, T)                                      \
-        static inline void fc_max_into_##SUFFIX(T *restrict y,                \
-                                                const T *restrict src,        \
-                                                ptrdiff_t n)                  \
-        {                                                                     \
-            for (ptrdiff_t c = 0; c < n; c++) {                               \
-                T v = src[c], cur = y[c];                                     \
-                y[c] = (v > cur || v != v) ? v : cur;                         \
-            }                                                                 \
-        }
-    FC_DEFINE_MAX_INTO(f32, float)
-    FC_DEFINE_MAX_INTO(f64, double)
-
     /* y[c] = the max over ntaps input pixels taps[t][c], c < n, and -inf
-       (the padding), with fc_max_into's rules (ties keep the earlier tap, a
-       NaN wins); winner[c], when winner is not NULL, = the winning tap's
+       (the padding): ties keep the earlier tap, a NaN wins (the last one,
+       as numpy's maximum propagates it); winner[c], when winner is not NULL, = the winning tap's
        ids[t], or 0 where no tap beats -inf.  Four vectors of channels (and
        their winners) stay in registers across the taps, as in the depthwise
-       kernel: fc_max_into per tap reloaded and stored y each time, a chain
-       through memory that held ResNet-18's 3x3/2 pool at batch 1
-       (112x112x64) to 120 us standalone.  Inlined at call sites that pass
+       kernel: a pass per tap that reloaded and stored y each time, a chain
+       through memory, held ResNet-18's 3x3/2 pool at batch 1 (112x112x64)
+       to 120 us standalone.  In C for restrict and vectors: Cython's loop on
+       two real* it could not prove apart stayed scalar.  Inlined at call sites that pass
        NULL, the winner code folds away. */
     #define FC_DEFINE_MAX_TAPS(SUFFIX, T, IT)                                  \
         typedef T fc_poolvec_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
@@ -117,89 +101,43 @@ cdef extern from *:
     FC_DEFINE_MAX_TAPS(f32, float, int32_t)
     FC_DEFINE_MAX_TAPS(f64, double, int64_t)
     """
-    void fc_max_into_f32(float* y, const float* src, Py_ssize_t n) noexcept nogil
-    void fc_max_into_f64(double* y, const double* src, Py_ssize_t n) noexcept nogil
     void fc_max_taps_f32(float* y, uint16_t* winner, const float* const* taps,
                          const int* ids, Py_ssize_t ntaps, Py_ssize_t n) noexcept nogil
     void fc_max_taps_f64(double* y, uint16_t* winner, const double* const* taps,
                          const int* ids, Py_ssize_t ntaps, Py_ssize_t n) noexcept nogil
 
-# Windows of at most this many taps take their maxima (and winners) in
-# registers (fc_max_taps, a stack array of tap pointers); larger ones go
-# tap by tap.
-cdef enum:
-    MAX_REGISTER_TAPS = 64
-
 
 cdef void max_pool_row(const ConvGeom* g, const real* x, ImageStrides xs, Py_ssize_t n,
-                       Py_ssize_t oh, real* y, uint16_t* winner) noexcept nogil:
+                       Py_ssize_t oh, real* y, uint16_t* winner, const real** taps,
+                       int* ids) noexcept nogil:
     # Output row (n, oh): every pixel's max over its taps inside the image
-    # (the padding is -inf: it never wins unless nothing else is there).
-    # Ties keep the first tap in row-major order; a NaN wins (the last one),
-    # as numpy's maximum propagates it.  winner, when not NULL, gets the
-    # winning tap's index.
-    cdef Py_ssize_t ow, kh, kw, ih, iw, c, tap, ntaps
-    cdef real* yp
-    cdef uint16_t* wp = NULL
-    cdef const real* src
-    cdef const real* taps[MAX_REGISTER_TAPS]
-    cdef int ids[MAX_REGISTER_TAPS]
-    cdef real v, neg_inf = -INFINITY
-    cdef bint in_registers = g.KH * g.KW <= MAX_REGISTER_TAPS
+    # (fc_max_taps; the padding is -inf), and, when winner is not NULL, the
+    # winning tap's index.  taps and ids: room for KH*KW entries, the
+    # calling thread's own.
+    cdef Py_ssize_t ow, kh, kw, ih, iw, ntaps, at
     for ow in range(g.OW):
-        yp = y + ((n * g.OH + oh) * g.OW + ow) * g.C
-        if winner != NULL:
-            wp = winner + ((n * g.OH + oh) * g.OW + ow) * g.C
-        if in_registers:
-            ntaps = 0
-            for kh in range(g.KH):
-                ih = oh * g.SH - g.PT + kh * g.DH
-                if ih < 0 or ih >= g.H:
-                    continue
-                for kw in range(g.KW):
-                    iw = ow * g.SW - g.PL + kw * g.DW
-                    if 0 <= iw < g.W:
-                        taps[ntaps] = x + n * xs.n + ih * xs.h + iw * xs.w
-                        ids[ntaps] = kh * g.KW + kw
-                        ntaps += 1
-            # Two calls, so that the inference one inlines without the
-            # winners.
-            if winner == NULL:
-                if real is float:
-                    fc_max_taps_f32(yp, NULL, taps, ids, ntaps, g.C)
-                else:
-                    fc_max_taps_f64(yp, NULL, taps, ids, ntaps, g.C)
-            elif real is float:
-                fc_max_taps_f32(yp, wp, taps, ids, ntaps, g.C)
-            else:
-                fc_max_taps_f64(yp, wp, taps, ids, ntaps, g.C)
-            continue
-        for c in range(g.C):
-            yp[c] = neg_inf
-        if winner != NULL:
-            for c in range(g.C):
-                wp[c] = 0
+        ntaps = 0
         for kh in range(g.KH):
             ih = oh * g.SH - g.PT + kh * g.DH
             if ih < 0 or ih >= g.H:
                 continue
             for kw in range(g.KW):
                 iw = ow * g.SW - g.PL + kw * g.DW
-                if iw < 0 or iw >= g.W:
-                    continue
-                src = x + n * xs.n + ih * xs.h + iw * xs.w
-                if winner == NULL:
-                    if real is float:
-                        fc_max_into_f32(yp, src, g.C)
-                    else:
-                        fc_max_into_f64(yp, src, g.C)
-                else:
-                    tap = kh * g.KW + kw
-                    for c in range(g.C):
-                        v = src[c]
-                        if v > yp[c] or v != v:
-                            yp[c] = v
-                            wp[c] = <uint16_t>tap
+                if 0 <= iw < g.W:
+                    taps[ntaps] = x + n * xs.n + ih * xs.h + iw * xs.w
+                    ids[ntaps] = kh * g.KW + kw
+                    ntaps += 1
+        at = ((n * g.OH + oh) * g.OW + ow) * g.C
+        # Two calls, so that the inference one inlines without the winners.
+        if winner == NULL:
+            if real is float:
+                fc_max_taps_f32(y + at, NULL, taps, ids, ntaps, g.C)
+            else:
+                fc_max_taps_f64(y + at, NULL, taps, ids, ntaps, g.C)
+        elif real is float:
+            fc_max_taps_f32(y + at, winner + at, taps, ids, ntaps, g.C)
+        else:
+            fc_max_taps_f64(y + at, winner + at, taps, ids, ntaps, g.C)
 
 
 def max_pool2d(const real[:, :, :, :] x, real[:, :, :, ::1] y, winner, kernel, stride,
@@ -227,11 +165,20 @@ def max_pool2d(const real[:, :, :, :] x, real[:, :, :, ::1] y, winner, kernel, s
     cdef ImageStrides xs = image_strides(x.strides[0], x.strides[1], x.strides[2], sizeof(real))
     cdef Py_ssize_t elements = g.N * g.OH * g.OW * g.C * g.KH * g.KW
     cdef int nt = max(1, min(num_threads, <int>(elements // COPY_ELEMENTS_PER_THREAD)))
-    cdef Py_ssize_t row
+    # Each thread's tap pointers and indices for one pixel, in cache lines
+    # of its own: tables sharing a line, rewritten every pixel by both
+    # threads, made the 3x3/2 pool at batch 1 twice as slow.
+    cdef Py_ssize_t row, T = g.KH * g.KW
+    cdef Py_ssize_t sp = cdiv(T * sizeof(real*), 64) * 64, si = cdiv(T * sizeof(int), 64) * 64
+    cdef char* tables = <char*>aligned_malloc(nt * (sp + si))
+    if tables == NULL:
+        raise MemoryError("max_pool2d: out of memory for the tap tables")
     with nogil:
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
             max_pool_row(&g, &x[0, 0, 0, 0], xs, row // g.OH, row % g.OH, &y[0, 0, 0, 0],
-                         winner_ptr)
+                         winner_ptr, <const real**>(tables + threadid() * (sp + si)),
+                         <int*>(tables + threadid() * (sp + si) + sp))
+    aligned_free(tables)
 
 
 cdef void max_pool_grad_row(const ConvGeom* g, const real* dy, const uint16_t* winner,
