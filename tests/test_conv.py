@@ -818,6 +818,76 @@ def test_odd_stride_on_a_length_one_axis():
     np.testing.assert_array_equal(conv2d(x, w, padding=1), conv2d(x.copy(), w, padding=1))
 
 
+def _odd_stride_view(kind, shape, rng):
+    """An NHWC view of the given shape and kind (length-1 kinds: H = W = 1)."""
+    N, H, W, C = shape
+    if kind == "broadcast along W":
+        return np.broadcast_to(rng.standard_normal((N, H, 1, C)), shape)
+    if kind == "broadcast along H":
+        return np.broadcast_to(rng.standard_normal((N, 1, W, C)), shape)
+    if kind == "pixels overlapping":     # pixels 2 values apart, C values each
+        row = 2 * W + C
+        base = rng.standard_normal(N * H * row)
+        return np.lib.stride_tricks.as_strided(base, shape, (8 * H * row, 8 * row, 16, 8))
+    # NCHW with H = W = 1 and the batch reversed: as NHWC, length-1 axes
+    # with strides of one value (numpy keeps whatever they were).
+    x = rng.standard_normal((N, C, H, W))[::-1].transpose(0, 2, 3, 1)
+    assert x.strides[0] < 0 and abs(x.strides[2]) < C * 8
+    return x
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("kind", ["broadcast along W", "broadcast along H", "pixels overlapping",
+                                  "length-1 axes, batch reversed"])
+@pytest.mark.parametrize("algorithm", ["implicit", "im2col", "winograd"])
+def test_overlapping_pixels_and_length_one_axes(isa, kind, algorithm):
+    """Views whose pixels overlap (np.broadcast_to along W, pixels fewer
+    than C values apart) or whose length-1 axes carry odd strides: implicit
+    GEMM builds a border pixel's window at the image's tap offsets, where
+    such taps overwrote each other (wrong sums on every ISA, found by
+    fuzzing); now such windows space their taps C apart (shadow_layout).
+    Forward, and the input gradient of a strided layer (its grad_output
+    such a view), against the same calls on copies."""
+    rng = np.random.default_rng(len(kind))
+    one = kind.startswith("length-1")
+    x = _odd_stride_view(kind, (2, 1, 1, 5) if one else (2, 6, 7, 5), rng)
+    w = rng.standard_normal((4, 3, 3, 5))
+    # A 5x5 stride-4 layer, 32 channels in and out: the input gradient by
+    # stride phases; dy (2, 1, 1, 32) of an 8x8 image, (2, 2, 2, 32) of 9x9.
+    dy = _odd_stride_view(kind, (2, 1, 1, 32) if one else (2, 2, 2, 32), rng)
+    xb = rng.standard_normal((2, 8, 8, 32) if one else (2, 9, 9, 32))
+    wb = rng.standard_normal((32, 5, 5, 32))
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, padding=1, algorithm=algorithm)
+        ref = conv2d(np.ascontiguousarray(x), w, padding=1, algorithm=algorithm)
+        gx = conv2d_backward(dy, xb, wb, stride=4, output_mask=(True, False, False))[0]
+        gx_ref = conv2d_backward(np.ascontiguousarray(dy), xb, wb, stride=4,
+                                 output_mask=(True, False, False))[0]
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    np.testing.assert_allclose(gx, gx_ref, rtol=0, atol=1e-12 * np.abs(gx_ref).max())
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C", [16, 32, 64, 96, 128, 160])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_weight_gradient_of_one_output_channel(isa, dtype, C, stride):
+    """A 1x1 layer with one output channel: dy is then one value a pixel,
+    a plain row as much as an A.T view, and on AVX-512 the weight gradient
+    read the image's rows in place (rows of at most 512 bytes) beside it
+    with a kernel that reads packed panels (wrong for C*itemsize of 256,
+    384 and 512 bytes, found by fuzzing)."""
+    rng = np.random.default_rng(C + stride)
+    x = rng.standard_normal((2, 7, 4, C)).astype(dtype)
+    w = rng.standard_normal((1, 1, 1, C)).astype(dtype)
+    dy = rng.standard_normal((2, 7, 4, 1) if stride == 1 else (2, 4, 2, 1)).astype(dtype)
+    with fastconv._dispatch.use_isa(isa):
+        gw = conv2d_backward(dy, x, w, stride=stride, output_mask=(False, True, False))[1]
+    xs = x[:, ::stride, ::stride].astype(np.float64)
+    ref = np.einsum("nhwc,nhwo->oc", xs, dy.astype(np.float64)).reshape(1, 1, 1, C)
+    assert_close(gw, ref, dtype, xs.shape[0] * xs.shape[1] * xs.shape[2], "grad_weight")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_byte_swapped_input_is_refused(dtype):
     x = np.zeros((1, 4, 4, 2), np.dtype(dtype).newbyteorder())

@@ -394,8 +394,8 @@ cdef void multiply_chunk(Py_ssize_t rows, const KBlock* blocks, Py_ssize_t n_kb,
 cdef struct ShadowLayout:
     # Where the pixels with taps in the padding are read from: each gets a
     # shadow window, a copy of its taps (zeros in the padding) laid out with
-    # the image's own tap offsets (tap (kh, kw) at kh*pitch + kw*DW*xs.w,
-    # pitch = DH*xs.h; either may be negative, for views that run
+    # the image's own tap offsets (tap (kh, kw) at kh*pitch + kw*tap, pitch
+    # = DH*xs.h, tap = DW*xs.w; either may be negative, for views that run
     # backwards), so that every pixel of a tile, in the image or in a
     # shadow, reads run r at its pointer + run_off[r]: one kernel
     # (fc_shared_runs_kernel) and one pointer a pixel, where built patch
@@ -407,8 +407,12 @@ cdef struct ShadowLayout:
     # band (a window's rows leave |pitch| - width values free), bands
     # band_size apart; a pixel's pointer is lead values into its slot.  So
     # shadows take about what patch rows took (C = 64 at 56x56: 590 values
-    # a pixel for K = 576).
-    Py_ssize_t pitch, width, slot, per_band, band_size, lead
+    # a pixel for K = 576).  A view whose taps along a row overlap (|DW*xs.w|
+    # < C: np.broadcast_to along W, or odd strides on a length-1 W axis)
+    # cannot be mirrored, the copied taps would overwrite each other: its
+    # windows take tap = C and a pitch of their own, and every pixel is read
+    # from a window (wrong sums before, found by fuzzing).
+    Py_ssize_t pitch, tap, width, slot, per_band, band_size, lead
 
 
 cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides xs,
@@ -420,7 +424,11 @@ cdef ShadowLayout shadow_layout(real dtype_tag, const ConvGeom* g, ImageStrides 
     # image), and by conv_forward_nogil for a view whose rows are so far
     # apart that one band would outweigh the chunk's patch rows.
     cdef ShadowLayout sh
-    cdef Py_ssize_t span_w = (g.KW - 1) * g.DW * xs.w     # tap kw = KW-1's offset
+    sh.tap = g.DW * xs.w
+    if g.KW > 1 and max(sh.tap, -sh.tap) < g.C:
+        sh.tap = g.C
+        own_pitch = True
+    cdef Py_ssize_t span_w = (g.KW - 1) * sh.tap     # tap kw = KW-1's offset
     sh.width = max(span_w, -span_w) + g.C
     sh.pitch = g.DH * xs.h
     if own_pitch or max(sh.pitch, -sh.pitch) < sh.width:
@@ -502,7 +510,7 @@ cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
             while m < end:
                 d = (buf + (nbuf // sh.per_band) * sh.band_size
                      + (nbuf % sh.per_band) * sh.slot + sh.lead)
-                im2col_pixel(g, x, xs, m, d, sh.pitch, g.DW * xs.w)
+                im2col_pixel(g, x, xs, m, d, sh.pitch, sh.tap)
                 pixels[m - m0] = d
                 nbuf += 1
                 m += 1
@@ -785,10 +793,11 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, R, False)
     if shadow_size(&sh, R) > 2 * R * ld:
         sh = shadow_layout(<real>0, g, xs, R, True)
-    cdef bint use_taps = taps_path_ok(g, xs, <real>0) and sh.pitch == g.DH * xs.h
+    cdef bint use_taps = (taps_path_ok(g, xs, <real>0) and sh.pitch == g.DH * xs.h
+                          and sh.tap == g.DW * xs.w)
     for kh in range(g.KH):
         for kw in range(g.KW):
-            tap_off[kh * g.KW + kw] = kh * sh.pitch + kw * g.DW * xs.w
+            tap_off[kh * g.KW + kw] = kh * sh.pitch + kw * sh.tap
         tap_off[T + kh] = kh * sh.pitch
     cdef Py_ssize_t buf_size = shadow_size(&sh, R)
     cdef real* bufs = <real*>aligned_malloc(nt * buf_size * sizeof(real))
@@ -863,7 +872,11 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     cdef Py_ssize_t mc = j1 - j0 if patches_left else OC
     cdef Py_ssize_t ncols = OC if patches_left else j1 - j0
     cdef real* c = acc + j0 * acc_ld if patches_left else acc + j0
-    cdef bint in_place = b_in_place_ok(ncols, <real>0)
+    # The right operand read in place only beside a left one that
+    # macro_kernel_ld takes for an A.T view (values of a k contiguous, k
+    # lda apart): with one output channel (lda == 1) dy is also a plain row,
+    # and the plain kernels read B from packed panels only.
+    cdef bint in_place = lda != 1 and b_in_place_ok(ncols, <real>0)
     for pb in range(cdiv(rows, KC)):
         pc = pb * KC
         kc = min(KC, rows - pc)
