@@ -888,6 +888,24 @@ def test_weight_gradient_of_one_output_channel(isa, dtype, C, stride):
     assert_close(gw, ref, dtype, xs.shape[0] * xs.shape[1] * xs.shape[2], "grad_weight")
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C, OC", [(32, 2), (64, 3), (32, 64)])
+def test_weight_gradient_of_a_broadcast_image(isa, dtype, C, OC):
+    """A 1x1 layer's weight gradient reads the image's pixels in place as
+    the rows of its GEMM's right operand; for an image broadcast to every
+    pixel they are 0 apart, which the frame takes for a packed operand
+    (AVX-512: garbage, found by fuzzing)."""
+    rng = np.random.default_rng(C + OC)
+    x = np.broadcast_to(rng.standard_normal((1, 1, 1, C)).astype(dtype), (2, 5, 6, C))
+    w = rng.standard_normal((OC, 1, 1, C)).astype(dtype)
+    dy = rng.standard_normal((2, 5, 6, OC)).astype(dtype)
+    with fastconv._dispatch.use_isa(isa):
+        gw = conv2d_backward(dy, x, w, output_mask=(False, True, False))[1]
+    ref = np.einsum("nhwc,nhwo->oc", x.astype(np.float64), dy.astype(np.float64))
+    assert_close(gw, ref.reshape(OC, 1, 1, C), dtype, 60, "grad_weight")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_byte_swapped_input_is_refused(dtype):
     x = np.zeros((1, 4, 4, 2), np.dtype(dtype).newbyteorder())

@@ -345,6 +345,22 @@ def test_narrow_b_next_to_transposed_a(isa, dtype, nt):
                 assert np.all(np.abs(out - ref) <= bound), (N, M, K)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_broadcast_b_next_to_transposed_a(isa, dtype):
+    # A B whose rows are all the same memory (row stride 0, np.broadcast_to)
+    # next to an A.T view: a zero row stride is the frame's mark of a packed
+    # B, and the AVX-512 build read such a B as packed panels, past its end
+    # (garbage or NaN for whole-panel N, found by fuzzing); it is packed.
+    with _dispatch.use_isa(isa):
+        for N in (16, 32, 64, 96):
+            for M, K in ((2, 2), (13, 7), (37, 600)):
+                rng = rng_for("broadcast b", isa, dtype_id(dtype), N, M, K)
+                at = randn(rng, (K, M), dtype)
+                b = np.broadcast_to(randn(rng, (1, N), dtype), (K, N))
+                got = GEMM[dtype](1.0, at, b, trans_a=True)
+                check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
+
+
 # ------------------------------------- strided / negative-stride operands
 
 @pytest.mark.parametrize("b_layout", LAYOUTS)

@@ -876,7 +876,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     # macro_kernel_ld takes for an A.T view (values of a k contiguous, k
     # lda apart): with one output channel (lda == 1) dy is also a plain row,
     # and the plain kernels read B from packed panels only.
-    cdef bint in_place = lda != 1 and b_in_place_ok(ncols, <real>0)
+    cdef bint in_place = lda != 1 and b_in_place_ok(ncols, rsb, <real>0)
     for pb in range(cdiv(rows, KC)):
         pc = pb * KC
         kc = min(KC, rows - pc)
@@ -967,7 +967,8 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         R = cdiv(M, cdiv(n_chunks, nt) * nt)
         n_chunks = cdiv(M, R)
     cdef bint left = grad_weight_patches_left(M, K, OC)
-    if in_place and not left and OC > K and not (split_chunks and b_in_place_ok(K, <real>0)):
+    if in_place and not left and OC > K and not (split_chunks
+                                                 and b_in_place_ok(K, xs.w, <real>0)):
         # A 1x1 layer with more output channels than input channels: one
         # GEMM, dy^T @ image, which splits the output channels between the
         # threads, unless chunks of pixels are enough to share and the

@@ -721,11 +721,14 @@ cdef int gemv_nogil(Py_ssize_t M, Py_ssize_t K, real alpha,
     return 0
 
 
-cdef inline bint b_in_place_ok(Py_ssize_t N, real dtype_tag) noexcept nogil:
-    # Whether N columns of B (unit column stride) next to an A.T view are
-    # read in place rather than packed (see gemm_nogil).
+cdef inline bint b_in_place_ok(Py_ssize_t N, Py_ssize_t rsb, real dtype_tag) noexcept nogil:
+    # Whether N columns of B (unit column stride, rows rsb apart) next to an
+    # A.T view are read in place rather than packed (see gemm_nogil).  Not
+    # rows 0 apart (every row the same memory, np.broadcast_to): a zero row
+    # stride is macro_kernel_ld's mark of a packed B, and AVX-512 read such
+    # a B as packed panels, past its end (found by fuzzing).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    return (N % NR == 0 and N * <Py_ssize_t>sizeof(real) <= B_IN_PLACE_MAX_BYTES
+    return (rsb != 0 and N % NR == 0 and N * <Py_ssize_t>sizeof(real) <= B_IN_PLACE_MAX_BYTES
             and NR * <Py_ssize_t>sizeof(real) >= 128)
 
 
@@ -776,7 +779,8 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # 414-432 -> 443, b8 434-449 -> 465-471.  With AVX2's one-line rows
     # and 6-row tiles (B's lines read from L2 by twice as many tiles)
     # 64->256 b1 lost 218 -> 184.
-    cdef bint b_in_place = rsa == 1 and csa != 1 and csb == 1 and b_in_place_ok(N, <real>0)
+    cdef bint b_in_place = (rsa == 1 and csa != 1 and csb == 1
+                            and b_in_place_ok(N, rsb, <real>0))
     cdef bint stream = can_stream(M, N, n_kb, beta, rsc, csc)
     cdef real* bbuf = NULL
     if not b_in_place:
