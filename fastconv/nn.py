@@ -561,7 +561,9 @@ class _Pool2d(Module):
 class MaxPool2d(_Pool2d):
     """Max over KH x KW windows of NHWC images (torch.nn.MaxPool2d without
     ceil_mode): padding is -inf, ties go to the first tap in row-major
-    order, NaN propagates.  stride defaults to kernel_size."""
+    order, a window of nothing but -inf to its first tap inside the image
+    (its gradient with it, as torch's), NaN propagates.  stride defaults to
+    kernel_size."""
 
     def forward(self, x):
         x = np.asarray(x)
@@ -589,6 +591,17 @@ class MaxPool2d(_Pool2d):
             if winner is not None:
                 winner[(values > best) | np.isnan(values)] = tap
             np.maximum(best, values, out=best)  # propagates NaN
+        if winner is not None:
+            # Where no tap beat tap 0, which may be padding: the first tap
+            # inside the image.
+            inside = _pad_hw(np.ones((1, *x.shape[1:3], 1), np.uint8), self.padding, 0)
+            first = np.zeros((1, *best.shape[1:3], 1), np.uint16)
+            found = np.zeros(first.shape, bool)
+            for tap, window in enumerate(self._windows(x.shape[1:3])[1]):
+                new = ~found & (inside[window] > 0)
+                first[new] = tap
+                found |= new
+            winner = np.where(winner == 0, first, winner).astype(np.uint16)
         self._save_for_backward(winner=winner, in_shape=x.shape)
         return best
 

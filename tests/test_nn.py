@@ -249,6 +249,26 @@ def test_maxpool_ties_and_nan_follow_torch():
 
 
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_maxpool_window_of_only_minus_inf_starting_in_the_padding(dtype):
+    """A window whose values are all -inf and whose first tap is padding:
+    torch gives its gradient to the window's first pixel inside the image;
+    fastconv gave it to tap 0, the padding, and lost it (found by fuzzing
+    against torch)."""
+    x = np.full((2, 3, 4, 3), -np.inf, dtype)
+    x[0, 2, 0, 0] = 1.0
+    x[1, 0, 3, 2] = np.nan
+    for args in (((1, 2), (1, 2), (0, 1)), (3, 2, 1), ((2, 3), 1, (1, 1))):
+        layer, reference = nn.MaxPool2d(*args), torch.nn.MaxPool2d(*args)
+        x_torch = nchw(x).requires_grad_()
+        y_torch = reference(x_torch)
+        y = layer(x)
+        np.testing.assert_array_equal(y, nhwc(y_torch))
+        grad = randn(*y.shape, seed=3).astype(dtype)
+        y_torch.backward(nchw(grad))
+        np.testing.assert_array_equal(layer.backward(grad), nhwc(x_torch.grad))
+
 @pytest.mark.parametrize("kernel, stride, padding", [(3, 2, 1), (2, 2, 0)])
 @pytest.mark.parametrize("N", [1, 4])
 def test_maxpool_backward_on_two_threads_matches_torch(kernel, stride, padding, N, request):
@@ -279,8 +299,8 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     """The compiled max pool (fastconv._kernels max_pool2d and its
     backward) against the numpy formulation it replaced, bit for bit,
     values and winning taps (the gradient to rounding): ties (many equal
-    values, +0 and -0), NaN, -inf and inf (windows of only -inf: tap 0
-    wins), odd sizes, views.  The inference pass (no winners) equals the
+    values, +0 and -0), NaN, -inf and inf (windows of only -inf: their
+    first tap inside the image wins, as in torch), odd sizes, views.  The inference pass (no winners) equals the
     training pass bit for bit; 75 channels reach their blocks of four
     vectors and their one-vector and scalar tails on every ISA build."""
     rng = np.random.default_rng(2)

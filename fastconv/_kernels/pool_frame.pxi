@@ -14,8 +14,9 @@ cdef extern from *:
 
     /* y[c] = the max over ntaps input pixels taps[t][c], c < n, and -inf
        (the padding): ties keep the earlier tap, a NaN wins (the last one,
-       as numpy's maximum propagates it); winner[c], when winner is not NULL, = the winning tap's
-       ids[t], or 0 where no tap beats -inf.  Four vectors of channels (and
+       as numpy's maximum propagates it); winner[c], when winner is not NULL, = the winning
+       tap's ids[t], or where no tap beats -inf the first tap's, ids[0], as torch's max pool
+       picks the first tap inside the image (0 without taps).  Four vectors of channels (and
        their winners) stay in registers across the taps, as in the depthwise
        kernel: a pass per tap that reloaded and stored y each time, a chain
        through memory, held ResNet-18's 3x3/2 pool at batch 1 (112x112x64)
@@ -49,13 +50,14 @@ cdef extern from *:
             typedef fc_poolmask_##SUFFIX mask;                                \
             enum { VL = FC_VBYTES / sizeof(T) };                              \
             const T neg_inf = -(T)INFINITY;                                   \
+            const int first = ntaps > 0 ? ids[0] : 0;                         \
             ptrdiff_t c = 0;                                                  \
             for (; c + 4 * VL <= n; c += 4 * VL) {                            \
                 vec acc[4], v;                                                \
                 mask idx[4];                                                  \
                 FC_UNROLL for (int u = 0; u < 4; u++) {                       \
                     acc[u] = neg_inf - (vec){0};                              \
-                    idx[u] = (mask){0};                                       \
+                    idx[u] = (IT)first - (mask){0};                           \
                 }                                                             \
                 for (ptrdiff_t t = 0; t < ntaps; t++)                         \
                     FC_UNROLL for (int u = 0; u < 4; u++) {                   \
@@ -72,7 +74,7 @@ cdef extern from *:
             }                                                                 \
             for (; c + VL <= n; c += VL) {                                    \
                 vec acc = neg_inf - (vec){0}, v;                              \
-                mask idx = (mask){0};                                         \
+                mask idx = (IT)first - (mask){0};                             \
                 for (ptrdiff_t t = 0; t < ntaps; t++) {                       \
                     memcpy(&v, taps[t] + c, FC_VBYTES);                       \
                     mask take = fc_max_vec_##SUFFIX(&acc, v);                 \
@@ -85,7 +87,7 @@ cdef extern from *:
             }                                                                 \
             for (; c < n; c++) {                                              \
                 T cur = neg_inf;                                              \
-                int id = 0;                                                   \
+                int id = first;                                               \
                 for (ptrdiff_t t = 0; t < ntaps; t++) {                       \
                     T v = taps[t][c];                                         \
                     if (v > cur || v != v) {                                  \
