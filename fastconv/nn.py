@@ -243,13 +243,15 @@ class Module:
             param.grad = None
 
     def astype(self, dtype):
-        """Cast every parameter and buffer to dtype, in place; returns self."""
+        """Cast every parameter and buffer to dtype, in place; returns self.
+        Drops what prepack() did: its packs hold the old dtype's weights."""
         for _, module in self.named_modules():
             for _, param in module._own_parameters():
                 param.data = param.data.astype(dtype)
                 param.grad = None
             for name, buffer in module._own_buffers():
                 setattr(module, name, buffer.astype(dtype))
+            module._drop_packed_weights()
         return self
 
     # ------------------------------------------------------------ state
@@ -1037,7 +1039,8 @@ def prepack(model):
     fold_batchnorms, also conv -> batchnorm -> ReLU) is fused into the
     conv's kernel epilogue, applied while each output tile is in cache; so
     is a BasicBlock's relu2(conv2(.) + shortcut) once bn2 is folded.
-    The packs and fusions are dropped by train() and load_state_dict();
+    The packs and fusions are dropped by train(), load_state_dict() and
+    astype();
     after changing weights any other way (an optimizer step in eval mode),
     call prepack again.  Returns model."""
     fused = set()

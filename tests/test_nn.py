@@ -604,6 +604,14 @@ def test_prepack_matches_and_is_dropped_when_weights_may_change():
     nn.prepack(model)
     model.train()
     assert model[0]._packed is None and model[2]._packed is None
+    # A cast too: the float32 packs would refuse float64 images (found by
+    # fuzzing: "weight has dtype float32").
+    model.eval()
+    nn.prepack(model)
+    model.astype(np.float64)
+    assert model[0]._packed is None
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(model(x64), fresh.astype(np.float64)(x64), rtol=1e-12)
 
 
 def test_basic_block_fused_residual_matches_and_keeps_its_backward():
