@@ -603,7 +603,7 @@ class MaxPool2d(_Pool2d):
                 new = ~found & (inside[window] > 0)
                 first[new] = tap
                 found |= new
-            winner = np.where(winner == 0, first, winner).astype(np.uint16)
+            winner = np.where(winner == 0, first, winner)
         self._save_for_backward(winner=winner, in_shape=x.shape)
         return best
 

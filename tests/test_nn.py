@@ -248,8 +248,6 @@ def test_maxpool_ties_and_nan_follow_torch():
         layer.backward(np.ones((1, 2, 3, 1)))
 
 
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_maxpool_window_of_only_minus_inf_starting_in_the_padding(dtype):
     """A window whose values are all -inf and whose first tap is padding:
@@ -268,6 +266,7 @@ def test_maxpool_window_of_only_minus_inf_starting_in_the_padding(dtype):
         grad = randn(*y.shape, seed=3).astype(dtype)
         y_torch.backward(nchw(grad))
         np.testing.assert_array_equal(layer.backward(grad), nhwc(x_torch.grad))
+
 
 @pytest.mark.parametrize("kernel, stride, padding", [(3, 2, 1), (2, 2, 0)])
 @pytest.mark.parametrize("N", [1, 4])
@@ -300,9 +299,10 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     backward) against the numpy formulation it replaced, bit for bit,
     values and winning taps (the gradient to rounding): ties (many equal
     values, +0 and -0), NaN, -inf and inf (windows of only -inf: their
-    first tap inside the image wins, as in torch), odd sizes, views.  The inference pass (no winners) equals the
-    training pass bit for bit; 75 channels reach their blocks of four
-    vectors and their one-vector and scalar tails on every ISA build."""
+    first tap inside the image wins, as in torch), odd sizes, views.  The
+    inference pass (no winners) equals the training pass bit for bit; 75
+    channels reach their blocks of four vectors and their one-vector and
+    scalar tails on every ISA build."""
     rng = np.random.default_rng(2)
     base = rng.integers(-3, 3, (3, 11, 13, channels)).astype(dtype)   # many ties
     base[rng.random(base.shape) < 0.1] = -0.0

@@ -13,16 +13,17 @@ cdef extern from *:
     #include "micro_kernel.h"       /* FC_VBYTES, FC_UNROLL */
 
     /* y[c] = the max over ntaps input pixels taps[t][c], c < n, and -inf
-       (the padding): ties keep the earlier tap, a NaN wins (the last one,
-       as numpy's maximum propagates it); winner[c], when winner is not NULL, = the winning
-       tap's ids[t], or where no tap beats -inf the first tap's, ids[0], as torch's max pool
-       picks the first tap inside the image (0 without taps).  Four vectors of channels (and
-       their winners) stay in registers across the taps, as in the depthwise
-       kernel: a pass per tap that reloaded and stored y each time, a chain
-       through memory, held ResNet-18's 3x3/2 pool at batch 1 (112x112x64)
-       to 120 us standalone.  In C for restrict and vectors: Cython's loop on
-       two real* it could not prove apart stayed scalar.  Inlined at call sites that pass
-       NULL, the winner code folds away. */
+       (the padding): ties keep the earlier tap, a NaN wins (the last one, as
+       numpy's maximum propagates it); winner[c], when winner is not NULL, =
+       the winning tap's ids[t], or where no tap beats -inf the first tap's,
+       ids[0], as torch's max pool picks the first tap inside the image (0
+       without taps).  Four vectors of channels (and their winners) stay in
+       registers across the taps, as in the depthwise kernel: a pass per tap
+       that reloaded and stored y each time, a chain through memory, held
+       ResNet-18's 3x3/2 pool at batch 1 (112x112x64) to 120 us standalone.
+       In C for restrict and vectors: Cython's loop on two real* it could not
+       prove apart stayed scalar.  Inlined at call sites that pass NULL, the
+       winner code folds away. */
     #define FC_DEFINE_MAX_TAPS(SUFFIX, T, IT)                                  \
         typedef T fc_poolvec_##SUFFIX __attribute__((vector_size(FC_VBYTES))); \
         typedef IT fc_poolmask_##SUFFIX __attribute__((vector_size(FC_VBYTES)));\
