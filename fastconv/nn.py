@@ -498,9 +498,22 @@ class Flatten(Module):
 
 # ----------------------------------------------------------------- pooling
 
-def _pool_output_hw(in_hw, kernel, stride, padding, dilation):
-    pads = tuple((p, p) for p in padding)
-    return _args.conv_output_hw(in_hw, kernel, stride, pads, dilation, "kernel_size")
+def _pool_pads(in_hw, kernel, stride, padding, dilation, ceil_mode):
+    """((top, bottom), (left, right)) of a pool's padded input: padding on
+    every side, and with ceil_mode the bottom/right overhang of a last
+    window that runs past it (torch's rule: a window that starts inside the
+    image or its top/left padding counts)."""
+    pads = []
+    for size, k, s, p, d in zip(in_hw, kernel, stride, padding, dilation):
+        extra = 0
+        span = (k - 1) * d + 1
+        if ceil_mode and size + 2 * p >= span:
+            out = -(-(size + 2 * p - span) // s) + 1
+            if (out - 1) * s >= size + p:
+                out -= 1
+            extra = (out - 1) * s + span - (size + 2 * p)
+        pads.append((p, p + extra))
+    return tuple(pads)
 
 
 def _tap_windows(kernel, stride, dilation, out_hw):
@@ -514,20 +527,19 @@ def _tap_windows(kernel, stride, dilation, out_hw):
                    slice(j * dw, j * dw + sw * (ow - 1) + 1, sw))
 
 
-def _pad_hw(x, padding, value):
-    ph, pw = padding
-    if ph == pw == 0:
+def _pad_hw(x, pads, value):
+    if pads == ((0, 0), (0, 0)):
         return x
-    return np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=value)
+    return np.pad(x, ((0, 0), *pads, (0, 0)), constant_values=value)
 
 
-def _crop_hw(x, padding):
-    ph, pw = padding
-    return x[:, ph:x.shape[1] - ph, pw:x.shape[2] - pw]
+def _crop_hw(x, pads, in_hw):
+    (top, _), (left, _) = pads
+    return x[:, top:top + in_hw[0], left:left + in_hw[1]]
 
 
 class _Pool2d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, *, ceil_mode=False):
         self.kernel_size = _args.positive_pair(kernel_size, "kernel_size")
         self.stride = self.kernel_size if stride is None else _args.positive_pair(stride, "stride")
         self.padding = _args.int_pair(padding, "padding")
@@ -535,37 +547,42 @@ class _Pool2d(Module):
         if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
             raise ValueError(f"padding {self.padding} must be at most half the kernel "
                              f"size {self.kernel_size}")
+        self.ceil_mode = bool(ceil_mode)
+
+    def _pads(self, in_hw):
+        return _pool_pads(in_hw, self.kernel_size, self.stride, self.padding, self.dilation,
+                          self.ceil_mode)
 
     def _windows(self, in_hw):
         """(output (OH, OW), _tap_windows for it)."""
-        out_hw = _pool_output_hw(in_hw, self.kernel_size, self.stride, self.padding,
-                                 self.dilation)
+        out_hw = _args.conv_output_hw(in_hw, self.kernel_size, self.stride, self._pads(in_hw),
+                                      self.dilation, "kernel_size")
         return out_hw, _tap_windows(self.kernel_size, self.stride, self.dilation, out_hw)
 
     def _input_grad(self, in_shape, window_grads, dtype):
         """The adjoint of reading the windows: window_grads gives, tap by tap,
         the gradient of what that tap read; returns the input's gradient."""
         n, h, w, c = in_shape
-        ph, pw = self.padding
-        grad_padded = np.zeros((n, h + 2 * ph, w + 2 * pw, c), dtype)
+        pads = self._pads((h, w))
+        grad_padded = np.zeros((n, h + sum(pads[0]), w + sum(pads[1]), c), dtype)
         _, windows = self._windows((h, w))
         for window, grad in zip(windows, window_grads):
             # One tap's windows read distinct pixels, so this += never adds
             # twice into one element.
             grad_padded[window] += grad
-        return _crop_hw(grad_padded, self.padding)
+        return _crop_hw(grad_padded, pads, (h, w))
 
     def extra_repr(self):
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}")
+                f"padding={self.padding}" + (", ceil_mode=True" if self.ceil_mode else ""))
 
 
 class MaxPool2d(_Pool2d):
     """Max over KH x KW windows of NHWC images (torch.nn.MaxPool2d without
-    ceil_mode): padding is -inf, ties go to the first tap in row-major
-    order, a window of nothing but -inf to its first tap inside the image
-    (its gradient with it, as torch's), NaN propagates.  stride defaults to
-    kernel_size."""
+    return_indices; ceil_mode keyword-only): padding is -inf, ties go to
+    the first tap in row-major order, a window of nothing but -inf to its
+    first tap inside the image (its gradient with it, as torch's), NaN
+    propagates.  stride defaults to kernel_size."""
 
     def forward(self, x):
         x = np.asarray(x)
@@ -583,7 +600,8 @@ class MaxPool2d(_Pool2d):
 
     def _forward_numpy(self, x):
         # Other dtypes: the max over KH*KW strided views of a padded copy.
-        padded = _pad_hw(x, self.padding, -np.inf)
+        pads = self._pads(x.shape[1:3])
+        padded = _pad_hw(x, pads, -np.inf)
         _, windows = self._windows(x.shape[1:3])
         best = padded[next(windows)].copy()
         # Which tap won, for backward only (inference skips it).
@@ -596,7 +614,7 @@ class MaxPool2d(_Pool2d):
         if winner is not None:
             # Where no tap beat tap 0, which may be padding: the first tap
             # inside the image.
-            inside = _pad_hw(np.ones((1, *x.shape[1:3], 1), np.uint8), self.padding, 0)
+            inside = _pad_hw(np.ones((1, *x.shape[1:3], 1), np.uint8), pads, 0)
             first = np.zeros((1, *best.shape[1:3], 1), np.uint16)
             found = np.zeros(first.shape, bool)
             for tap, window in enumerate(self._windows(x.shape[1:3])[1]):
@@ -632,28 +650,39 @@ class MaxPool2d(_Pool2d):
 
 
 class AvgPool2d(_Pool2d):
-    """Mean over KH x KW windows of NHWC images (torch.nn.AvgPool2d without
-    ceil_mode).  count_include_pad: whether zero padding counts in the
-    divisor.  stride defaults to kernel_size."""
+    """Mean over KH x KW windows of NHWC images, torch.nn.AvgPool2d's
+    arguments in its order.  count_include_pad: whether zero padding counts
+    in the divisor (the overhang of ceil_mode's last windows never does);
+    divisor_override: a fixed divisor instead.  stride defaults to
+    kernel_size."""
 
-    def __init__(self, kernel_size, stride=None, padding=0, count_include_pad=True):
-        super().__init__(kernel_size, stride, padding)
-        self.count_include_pad = count_include_pad
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode=False,
+                 count_include_pad=True, divisor_override=None):
+        super().__init__(kernel_size, stride, padding, ceil_mode=ceil_mode)
+        self.count_include_pad = bool(count_include_pad)
+        self.divisor_override = (None if divisor_override is None else
+                                 _args.positive_int(divisor_override, "divisor_override"))
 
     def _divisor(self, in_hw, dtype):
         """How many pixels each window averages: a scalar, or (OH, OW, 1)
-        when padding does not count."""
-        if self.count_include_pad:
+        where windows differ (padding not counted, or ceil_mode's last
+        windows, which count the padding but not what lies past it)."""
+        if self.divisor_override is not None:
+            return np.asarray(self.divisor_override, dtype)
+        if self.count_include_pad and not self.ceil_mode:
             return np.asarray(self.kernel_size[0] * self.kernel_size[1], dtype)
         out_hw, _ = self._windows(in_hw)
-        counts = []  # per axis: the window's overlap with the unpadded input
+        counts = []  # per axis: the window's overlap with what it averages
         for size, out, k, s, p in zip(in_hw, out_hw, self.kernel_size, self.stride, self.padding):
             start = np.arange(out) * s - p
-            counts.append(np.clip(start + k, 0, size) - np.clip(start, 0, size))
+            if self.count_include_pad:
+                counts.append(np.minimum(start + k, size + p) - start)
+            else:
+                counts.append(np.clip(start + k, 0, size) - np.clip(start, 0, size))
         return np.multiply.outer(*counts)[..., None].astype(dtype)
 
     def forward(self, x):
-        padded = _pad_hw(x, self.padding, 0)
+        padded = _pad_hw(x, self._pads(x.shape[1:3]), 0)
         _, windows = self._windows(x.shape[1:3])
         total = padded[next(windows)].copy()
         for window in windows:
@@ -667,7 +696,9 @@ class AvgPool2d(_Pool2d):
         return self._input_grad(in_shape, itertools.repeat(share), grad_output.dtype)
 
     def extra_repr(self):
-        return super().extra_repr() + f", count_include_pad={self.count_include_pad}"
+        return (super().extra_repr() + f", count_include_pad={self.count_include_pad}"
+                + ("" if self.divisor_override is None
+                   else f", divisor_override={self.divisor_override}"))
 
 
 def _adaptive_pool_matrix(size, out, dtype):

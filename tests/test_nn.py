@@ -118,8 +118,23 @@ CASES = [
          lambda: T.MaxPool2d(2, 1, 1, dilation=2), (1, 5, 6, 2)),
     Case("avgpool-3-2-1", lambda: nn.AvgPool2d(3, 2, 1), lambda: T.AvgPool2d(3, 2, 1),
          (2, 7, 6, 3)),
-    Case("avgpool-exclude-pad", lambda: nn.AvgPool2d((3, 2), (2, 1), (1, 1), False),
+    Case("avgpool-exclude-pad",
+         lambda: nn.AvgPool2d((3, 2), (2, 1), (1, 1), count_include_pad=False),
          lambda: T.AvgPool2d((3, 2), (2, 1), (1, 1), count_include_pad=False), (2, 7, 6, 3)),
+    # ceil_mode: last windows that overhang the bottom/right padding (3x3/2
+    # padded by 1 over 8 rows: 5 windows, not 4), their divisors, and one
+    # that would start in the bottom padding and is dropped (2x2/2 padded
+    # by 1 over 5 rows: 3 windows, not 4).
+    Case("maxpool-ceil", lambda: nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+         lambda: T.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 8, 6, 3)),
+    Case("maxpool-ceil-dilated", lambda: nn.MaxPool2d((2, 3), (3, 2), (1, 0), 2, ceil_mode=True),
+         lambda: T.MaxPool2d((2, 3), (3, 2), (1, 0), 2, ceil_mode=True), (2, 9, 8, 2)),
+    Case("avgpool-ceil", lambda: nn.AvgPool2d(3, 2, 1, True),
+         lambda: T.AvgPool2d(3, 2, 1, True), (2, 8, 6, 3)),
+    Case("avgpool-ceil-exclude-pad", lambda: nn.AvgPool2d((3, 2), 2, (1, 0), True, False),
+         lambda: T.AvgPool2d((3, 2), 2, (1, 0), True, False), (2, 8, 7, 3)),
+    Case("avgpool-divisor-override", lambda: nn.AvgPool2d(2, 2, 1, True, divisor_override=3),
+         lambda: T.AvgPool2d(2, 2, 1, True, divisor_override=3), (2, 5, 6, 2)),
     Case("adaptive-avgpool-1", lambda: nn.AdaptiveAvgPool2d(1),
          lambda: T.AdaptiveAvgPool2d(1), (2, 5, 4, 3)),
     Case("adaptive-avgpool-overlapping", lambda: nn.AdaptiveAvgPool2d((3, 4)),
@@ -293,8 +308,9 @@ def test_maxpool_backward_on_two_threads_matches_torch(kernel, stride, padding, 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("view", ["contiguous", "strided", "reversed"])
 @pytest.mark.parametrize("channels", [21, 75])
+@pytest.mark.parametrize("ceil_mode", [False, True])
 def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dilation, dtype,
-                                                    view, channels):
+                                                    view, channels, ceil_mode):
     """The compiled max pool (fastconv._kernels max_pool2d and its
     backward) against the numpy formulation it replaced, bit for bit,
     values and winning taps (the gradient to rounding): ties (many equal
@@ -313,7 +329,7 @@ def test_maxpool_kernel_equals_the_numpy_definition(kernel, stride, padding, dil
     base[0, :3, :3, 4::66] = -np.inf                 # windows of nothing but -inf
     x = {"contiguous": base, "strided": base[:, ::2, 1::2, :17],
          "reversed": base[:, ::-1, ::-1]}[view]
-    layer = nn.MaxPool2d(kernel, stride, padding, dilation)
+    layer = nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil_mode)
     expected = layer._forward_numpy(x)
     winner_expected = layer._saved_for_backward()["winner"]
     got = layer(x)
