@@ -502,16 +502,18 @@ def _pool_pads(in_hw, kernel, stride, padding, dilation, ceil_mode):
     """((top, bottom), (left, right)) of a pool's padded input: padding on
     every side, and with ceil_mode the bottom/right overhang of a last
     window that runs past it (torch's rule: a window that starts inside the
-    image or its top/left padding counts)."""
+    image or its top/left padding counts, even where the kernel is larger
+    than the padded input)."""
     pads = []
     for size, k, s, p, d in zip(in_hw, kernel, stride, padding, dilation):
         extra = 0
         span = (k - 1) * d + 1
-        if ceil_mode and size + 2 * p >= span:
+        if ceil_mode:
             out = -(-(size + 2 * p - span) // s) + 1
             if (out - 1) * s >= size + p:
                 out -= 1
-            extra = (out - 1) * s + span - (size + 2 * p)
+            # At most 0 where stride > kernel leaves the last pixels out.
+            extra = max(0, (out - 1) * s + span - (size + 2 * p)) if out > 0 else 0
         pads.append((p, p + extra))
     return tuple(pads)
 
@@ -778,17 +780,51 @@ class BatchNorm2d(Module):
     def forward(self, x):
         if not self.training and self.running_mean is not None:
             return self._forward_running_stats(x)
-        pixels = x.reshape(-1, self.num_features)
-        count = pixels.shape[0]
-        mean = pixels.mean(axis=0, dtype=np.float64)
-        centered = x - mean.astype(x.dtype)
-        var = np.square(centered).reshape(count, -1).mean(axis=0, dtype=np.float64)
-        inv_std = 1.0 / np.sqrt(var + self.eps)
-        if self.training and self.running_mean is not None:
+        x = np.asarray(x)
+        if x.ndim and math.prod(x.shape[:-1]) == 1:
+            raise ValueError(f"BatchNorm2d: batch statistics need more than one value per "
+                             f"channel; got input shape {x.shape}")
+        if x.dtype not in (np.float32, np.float64) or (
+                self.weight is not None and self.weight.dtype != x.dtype):
+            return self._forward_numpy(x)
+        rows = np.ascontiguousarray(x).reshape(-1, self.num_features)
+        count, nt = rows.shape[0], get_num_threads()
+        kernels = _dispatch.kernels
+        s1, s2 = np.empty(self.num_features), np.empty(self.num_features)
+        kernels.channel_sums(rows, None, None, s1, s2, nt)
+        mean = s1 / max(count, 1)
+        kernels.channel_sums(rows, None, mean, s1, s2, nt)
+        var = s1 / max(count, 1)
+        inv_std = self._update_statistics(mean, var, count)
+        normalized = np.empty_like(rows)
+        y = None if self.weight is None else np.empty_like(rows)
+        kernels.batchnorm_normalize(rows, mean, inv_std, normalized,
+                                    None if y is None else self.weight.data,
+                                    None if y is None else self.bias.data, y, nt)
+        normalized = normalized.reshape(x.shape)
+        self._save_for_backward(normalized=normalized, inv_std=inv_std, batch_stats=True)
+        return normalized if y is None else y.reshape(x.shape)
+
+    def _update_statistics(self, mean, var, count):
+        """Training: the running statistics take the batch's mean and
+        (unbiased) variance by momentum (an empty batch leaves them, as in
+        torch).  Returns the batch's 1/std."""
+        if self.training and self.running_mean is not None and count:
             m = self.momentum
             unbiased_var = var * count / max(count - 1, 1)
             self.running_mean[...] = (1 - m) * self.running_mean + m * mean
             self.running_var[...] = (1 - m) * self.running_var + m * unbiased_var
+        return 1.0 / np.sqrt(var + self.eps)
+
+    def _forward_numpy(self, x):
+        # Other dtypes (and the definition the kernels are tested against).
+        pixels = x.reshape(-1, self.num_features)
+        count = pixels.shape[0]
+        mean = pixels.sum(axis=0, dtype=np.float64) / max(count, 1)
+        centered = x - mean.astype(x.dtype)
+        var = (np.square(centered).reshape(pixels.shape).sum(axis=0, dtype=np.float64)
+               / max(count, 1))
+        inv_std = self._update_statistics(mean, var, count)
         normalized = centered
         normalized *= inv_std.astype(x.dtype)
         self._save_for_backward(normalized=normalized, inv_std=inv_std, batch_stats=True)
@@ -807,9 +843,16 @@ class BatchNorm2d(Module):
     def _affine_grads(self, grad_rows, normalized_rows):
         """Per-channel sum(grad) and sum(grad * normalized) in float64;
         these are the bias and weight gradients."""
-        grad_sum = grad_rows.sum(axis=0, dtype=np.float64)
-        grad_dot_normalized = np.einsum("pc,pc->c", grad_rows, normalized_rows,
-                                        dtype=np.float64)
+        if grad_rows.dtype in (np.float32, np.float64) and normalized_rows.dtype == grad_rows.dtype:
+            grad_sum = np.empty(self.num_features)
+            grad_dot_normalized = np.empty(self.num_features)
+            _dispatch.kernels.channel_sums(np.ascontiguousarray(grad_rows),
+                                           np.ascontiguousarray(normalized_rows), None,
+                                           grad_sum, grad_dot_normalized, get_num_threads())
+        else:
+            grad_sum = grad_rows.sum(axis=0, dtype=np.float64)
+            grad_dot_normalized = np.einsum("pc,pc->c", grad_rows, normalized_rows,
+                                            dtype=np.float64)
         if self.weight is not None:
             self.weight.accumulate(grad_dot_normalized.astype(self.weight.dtype))
             self.bias.accumulate(grad_sum.astype(self.bias.dtype))
@@ -817,6 +860,7 @@ class BatchNorm2d(Module):
 
     def backward(self, grad_output):
         saved = self._saved_for_backward()
+        grad_output = np.asarray(grad_output)
         grad_rows = grad_output.reshape(-1, self.num_features)
         dtype = grad_output.dtype
         if not saved["batch_stats"]:  # a fixed affine map per channel
@@ -827,15 +871,24 @@ class BatchNorm2d(Module):
             return grad_output * saved["scale"]
         normalized, inv_std = saved["normalized"], saved["inv_std"]
         count = grad_rows.shape[0]
-        grad_sum, grad_dot_normalized = self._affine_grads(
-            grad_rows, normalized.reshape(grad_rows.shape))
+        normalized_rows = normalized.reshape(grad_rows.shape)
+        grad_sum, grad_dot_normalized = self._affine_grads(grad_rows, normalized_rows)
         gamma = 1.0 if self.weight is None else self.weight.data.astype(np.float64)
         # The gradient of gamma * (x - mean) / std, with mean and std taken
         # over the batch: remove the gradient's per-channel mean and its
         # projection on the normalised input, then scale.
-        grad_x = grad_output - (grad_sum / count).astype(dtype)
-        grad_x -= normalized * (grad_dot_normalized / count).astype(dtype)
-        grad_x *= (gamma * inv_std).astype(dtype)
+        grad_mean = (grad_sum / max(count, 1)).astype(dtype)
+        projection = (grad_dot_normalized / max(count, 1)).astype(dtype)
+        scale = np.broadcast_to(gamma * inv_std, (self.num_features,)).astype(dtype)
+        if dtype in (np.float32, np.float64) and normalized.dtype == dtype:
+            grad_x = np.empty(grad_rows.shape, dtype)
+            _dispatch.kernels.batchnorm_input_grad(
+                np.ascontiguousarray(grad_rows), np.ascontiguousarray(normalized_rows),
+                grad_mean, projection, scale, grad_x, get_num_threads())
+            return grad_x.reshape(grad_output.shape)
+        grad_x = grad_output - grad_mean
+        grad_x -= normalized * projection
+        grad_x *= scale
         return grad_x
 
     def extra_repr(self):

@@ -135,6 +135,15 @@ CASES = [
          lambda: T.AvgPool2d((3, 2), 2, (1, 0), True, False), (2, 8, 7, 3)),
     Case("avgpool-divisor-override", lambda: nn.AvgPool2d(2, 2, 1, True, divisor_override=3),
          lambda: T.AvgPool2d(2, 2, 1, True, divisor_override=3), (2, 5, 6, 2)),
+    # ceil_mode where the stride passes the kernel (no overhang: the last
+    # pixel is in no window) and where the kernel is wider than the input
+    # (one window that overhangs it; found by fuzzing against torch).
+    Case("avgpool-ceil-stride-past-kernel", lambda: nn.AvgPool2d((1, 2), (1, 3), ceil_mode=True),
+         lambda: T.AvgPool2d((1, 2), (1, 3), ceil_mode=True), (2, 3, 6, 2)),
+    Case("maxpool-ceil-kernel-past-input", lambda: nn.MaxPool2d((2, 4), ceil_mode=True),
+         lambda: T.MaxPool2d((2, 4), ceil_mode=True), (2, 3, 3, 2)),
+    Case("avgpool-ceil-kernel-past-input", lambda: nn.AvgPool2d((2, 4), 2, (0, 1), True),
+         lambda: T.AvgPool2d((2, 4), 2, (0, 1), True), (2, 3, 1, 2)),
     Case("adaptive-avgpool-1", lambda: nn.AdaptiveAvgPool2d(1),
          lambda: T.AdaptiveAvgPool2d(1), (2, 5, 4, 3)),
     Case("adaptive-avgpool-overlapping", lambda: nn.AdaptiveAvgPool2d((3, 4)),
@@ -304,7 +313,7 @@ def test_maxpool_backward_on_two_threads_matches_torch(kernel, stride, padding, 
 
 @pytest.mark.parametrize("kernel, stride, padding, dilation", [
     (3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 2), ((3, 2), (1, 2), (1, 0), 1), (1, 1, 0, 1),
-    (9, 2, 4, 1)])                                   # 81 taps
+    (2, 3, 0, 1), (9, 2, 4, 1)])                     # 81 taps
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("view", ["contiguous", "strided", "reversed"])
 @pytest.mark.parametrize("channels", [21, 75])
@@ -377,6 +386,88 @@ def test_batchnorm_without_running_statistics_uses_batch_statistics_in_eval():
     y = bn(randn(4, 3, 3, 3) * 5 + 1)
     np.testing.assert_allclose(y.mean(axis=(0, 1, 2)), 0, atol=1e-12)
     assert "running_mean" not in bn.state_dict()
+
+
+def _batchnorm_step(bn, x, grad):
+    """y, grad_x and the parameter gradients of a training step of bn."""
+    bn.zero_grad()
+    y = bn(x)
+    grad_x = bn.backward(grad)
+    return y, grad_x, {name: p.grad.copy() for name, p in bn.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, view", [
+    ((3, 11, 13, 75), "contiguous"),    # 429 pixels: a block of 256 and a short one
+    ((5, 20, 30, 7), "reversed"),       # 3000 pixels, a negative-stride view
+    ((2, 5, 7, 1), "contiguous"), ((1, 1, 2, 129), "contiguous"),
+    ((4, 9, 10, 6), "channel-slice")])  # channels not contiguous
+@pytest.mark.parametrize("affine", [True, False])
+def test_batchnorm_training_step_matches_torch(dtype, shape, view, affine):
+    """The compiled batch norm (channel sums in float64, the normalisation
+    and the input gradient in one pass each) against torch in float64:
+    output, gradients and running statistics, odd channel counts (vector
+    tails), pixel counts across the 256-pixel summing blocks, views; the
+    mean offset by 100 standard deviations' worth of float32 rounding."""
+    rng = np.random.default_rng(4)
+    n, h, w, c = shape
+    base = rng.standard_normal((n, h, w, 2 * c if view == "channel-slice" else c)) * 3 + 100
+    x = {"contiguous": base, "reversed": base[:, ::-1, ::-1],
+         "channel-slice": base[..., ::2]}[view].astype(dtype)
+    bn = nn.BatchNorm2d(c, momentum=0.2, affine=affine, dtype=dtype)
+    if affine:
+        bn.weight.data[:] = 1 + rng.standard_normal(c) * 0.3
+        bn.bias.data[:] = rng.standard_normal(c)
+    reference = torch_copy(bn, torch.nn.BatchNorm2d(c, momentum=0.2, affine=affine).double())
+    grad = rng.standard_normal((n, h, w, c)).astype(dtype)
+    y, grad_x, grads = _batchnorm_step(bn, x, grad)
+    x_torch = nchw(x.astype(F64)).requires_grad_()
+    y_torch = reference(x_torch)
+    y_torch.backward(nchw(grad.astype(F64)))
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    assert y.dtype == grad_x.dtype == dtype
+    np.testing.assert_allclose(y, nhwc(y_torch), **tol)
+    np.testing.assert_allclose(grad_x, nhwc(x_torch.grad), **tol)
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), **tol, err_msg=name)
+    for name, value in bn.named_buffers():
+        np.testing.assert_allclose(value, reference.state_dict()[name].numpy(), rtol=1e-6,
+                                   err_msg=name)
+
+
+def test_batchnorm_does_not_depend_on_the_thread_count(request):
+    """Sums in fixed 256-pixel blocks, added in block order: one thread and
+    two give the same bits (540,672 elements, enough for two threads)."""
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    x = (randn(4, 64, 64, 33, seed=5) * 2 + 7).astype(np.float32)
+    grad = randn(4, 64, 64, 33, seed=6).astype(np.float32)
+    steps = []
+    for threads in (1, 2):
+        fastconv.set_num_threads(threads)
+        bn = nn.BatchNorm2d(33)
+        bn.weight.data[:] = np.linspace(0.5, 1.5, 33)
+        steps.append((*_batchnorm_step(bn, x, grad), bn.running_mean, bn.running_var))
+    (y1, gx1, g1, m1, v1), (y2, gx2, g2, m2, v2) = steps
+    for a, b in [(y1, y2), (gx1, gx2), (g1["weight"], g2["weight"]), (g1["bias"], g2["bias"]),
+                 (m1, m2), (v1, v2)]:
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batchnorm_empty_batch_and_single_value_follow_torch():
+    """An empty batch leaves the running statistics alone (torch does);
+    one value per channel cannot give batch statistics (torch raises)."""
+    for dtype in (np.float32, np.float16):
+        bn = nn.BatchNorm2d(3, dtype=dtype)
+        y = bn(np.zeros((0, 4, 4, 3), dtype))
+        assert y.shape == (0, 4, 4, 3)
+        assert bn.backward(np.zeros((0, 4, 4, 3), dtype)).shape == (0, 4, 4, 3)
+        np.testing.assert_array_equal(bn.running_mean, 0)
+        np.testing.assert_array_equal(bn.running_var, 1)
+        with pytest.raises(ValueError, match="more than one value per channel"):
+            bn(np.ones((1, 1, 1, 3), dtype))
+    with pytest.raises(ValueError):
+        torch.nn.BatchNorm2d(3)(torch.ones(1, 3, 1, 1))
 
 
 # ------------------------------------------------------------------ SGD
