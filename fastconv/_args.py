@@ -151,11 +151,23 @@ def conv_padding(padding, in_hw, kernel, stride, dilation):
     return explicit_padding(padding)
 
 
+#: Bound on a geometry's extents (padded sizes, strides times outputs):
+#: the kernels index pixels with signed 64-bit products and sums of these.
+INDEX_LIMIT = 2 ** 62
+
+
+def check_index_range(extent, axis):
+    if extent >= INDEX_LIMIT:
+        raise ValueError(f"padding, stride or dilation: along {axis} they reach pixel "
+                         f"{extent}, beyond the kernels' 64-bit indices (2**62 at most)")
+
+
 def conv_output_hw(in_hw, kernel, stride, pads, dilation, kernel_name):
     """(OH, OW) of a convolution; the dilated kernel must fit the padded input."""
     out = []
     for axis, size, k, s, (lo, hi), d in zip("HW", in_hw, kernel, stride, pads, dilation):
         span = (k - 1) * d + 1
+        check_index_range(size + lo + hi + s + span, axis)
         if size + lo + hi < span:
             raise ValueError(f"{kernel_name}: the kernel spans {span} pixels along {axis} "
                              f"(dilation included), more than the padded input's "
@@ -183,6 +195,10 @@ def transpose_output_hw(in_hw, kernel, stride, pads, dilation, output_padding):
         if op < 0 or op >= max(s, d):
             raise ValueError(f"output_padding {output_padding} along {axis} must be "
                              f"non-negative and smaller than max(stride, dilation) = {max(s, d)}")
+    for axis, size, k, s, (lo, hi), d in zip("HW", in_hw, kernel, stride, pads, dilation):
+        # The kernels run the convolution whose data gradient this is, with
+        # in_hw as its output: strides times in_hw past the padding.
+        check_index_range(size * s + lo + hi + k * d, axis)
     out = tuple((size - 1) * s - lo - hi + (k - 1) * d + op + 1
                 for size, k, s, (lo, hi), d, op
                 in zip(in_hw, kernel, stride, pads, dilation, output_padding))

@@ -120,6 +120,19 @@ def _join(prefix, name):
     return f"{prefix}.{name}" if prefix else name
 
 
+def _check_input(x, layer, ndim=None, channels=None):
+    """x as an ndarray; a ValueError naming x and the layer where its
+    rank (ndim, None: any) or last axis (channels, None: any) is not the
+    layer's."""
+    x = np.asarray(x)
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"x must be {ndim}-D for {layer}; got shape {x.shape}")
+    if channels is not None and (x.ndim == 0 or x.shape[-1] != channels):
+        raise ValueError(f"x must have {channels} values along its last axis for {layer}; "
+                         f"got shape {x.shape}")
+    return x
+
+
 def _rng(rng):
     """np.random.Generator from a seed, a Generator, or None (fresh entropy)."""
     return np.random.default_rng(rng)
@@ -434,7 +447,7 @@ class Linear(Module):
         self.bias = Parameter(np.zeros(out_features, dtype)) if bias else None
 
     def forward(self, x):
-        x = np.asarray(x)
+        x = _check_input(x, self, channels=self.in_features)
         rows = x.reshape(-1, self.in_features)
         self._save_for_backward(rows=rows, in_shape=x.shape)
         y = _gemm(self.weight.dtype)(1.0, rows, self.weight.data, trans_b=True)
@@ -587,7 +600,7 @@ class MaxPool2d(_Pool2d):
     propagates.  stride defaults to kernel_size."""
 
     def forward(self, x):
-        x = np.asarray(x)
+        x = _check_input(x, self, ndim=4)
         if x.dtype not in (np.float32, np.float64):
             return self._forward_numpy(x)
         out_hw, _ = self._windows(x.shape[1:3])
@@ -684,6 +697,7 @@ class AvgPool2d(_Pool2d):
         return np.multiply.outer(*counts)[..., None].astype(dtype)
 
     def forward(self, x):
+        x = _check_input(x, self, ndim=4)
         padded = _pad_hw(x, self._pads(x.shape[1:3]), 0)
         _, windows = self._windows(x.shape[1:3])
         total = padded[next(windows)].copy()
@@ -727,6 +741,7 @@ class AdaptiveAvgPool2d(Module):
                 for size, out in zip(in_hw, self.output_size)]
 
     def forward(self, x):
+        x = _check_input(x, self, ndim=4)
         self._save_for_backward(in_shape=x.shape)
         if self.output_size == (1, 1):
             # Global average pooling (every ResNet's head): one reduction.
@@ -778,9 +793,9 @@ class BatchNorm2d(Module):
         return scale, shift if self.bias is None else shift + self.bias.data
 
     def forward(self, x):
+        x = _check_input(x, self, channels=self.num_features)
         if not self.training and self.running_mean is not None:
             return self._forward_running_stats(x)
-        x = np.asarray(x)
         if x.ndim and math.prod(x.shape[:-1]) == 1:
             raise ValueError(f"BatchNorm2d: batch statistics need more than one value per "
                              f"channel; got input shape {x.shape}")
@@ -1028,7 +1043,15 @@ class CrossEntropyLoss(Module):
     backward() returns the gradient with respect to the logits."""
 
     def forward(self, logits, labels):
-        labels = np.asarray(labels)
+        logits, labels = np.asarray(logits), np.asarray(labels)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be 2-D (N, classes); got shape {logits.shape}")
+        if labels.shape != logits.shape[:1] or (labels.size and labels.dtype.kind not in "iu"):
+            raise ValueError(f"labels must be {logits.shape[0]} integers (one per row of "
+                             f"logits); got shape {labels.shape}, dtype {labels.dtype}")
+        if labels.size and (labels.min() < 0 or labels.max() >= logits.shape[1]):
+            raise ValueError(f"labels must be class indices in [0, {logits.shape[1]}); got "
+                             f"values from {labels.min()} to {labels.max()}")
         shifted = logits - logits.max(axis=1, keepdims=True)  # exp cannot overflow
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         rows = np.arange(len(labels))

@@ -974,6 +974,13 @@ DY = np.zeros((1, 3, 3, 6))
     (lambda: conv2d(X, np.zeros((6, 7, 1, 4)), padding=(0, 1)), ValueError, "weight"),
     (lambda: conv2d(X, W, padding=5, padding_mode="reflect"), ValueError, "padding"),
     (lambda: conv2d(X, W, padding=6, padding_mode="circular"), ValueError, "padding"),
+    # extents past the kernels' 64-bit indices (a transposed convolution
+    # returned zeros where stride * H overflowed; found by fuzzing)
+    (lambda: conv2d(X, W, stride=(1, 2 ** 62)), ValueError, "padding, stride or dilation"),
+    (lambda: conv2d(X, W, padding=2 ** 61), ValueError, "padding, stride or dilation"),
+    (lambda: conv_transpose2d(X, WT, stride=(2 ** 61, 1), padding=((4 * 2 ** 61 - 10, 0), (0, 0))),
+     ValueError, "padding, stride or dilation"),
+    (lambda: fastconv.im2col(X, 3, dilation=2 ** 61), ValueError, "padding, stride or dilation"),
     # dtypes
     (lambda: conv2d(X.astype(np.int64), W), TypeError, "x"),
     (lambda: conv2d(X.astype(np.float16), W.astype(np.float16)), TypeError, "x"),

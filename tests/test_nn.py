@@ -470,6 +470,34 @@ def test_batchnorm_empty_batch_and_single_value_follow_torch():
         torch.nn.BatchNorm2d(3)(torch.ones(1, 3, 1, 1))
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda: nn.BatchNorm2d(3)(np.ones((2, 6, 6, 4), np.float32)), r"^x must have 3 values"),
+    (lambda: nn.BatchNorm2d(3).eval()(np.ones((2, 6, 6, 4), np.float32)),
+     r"^x must have 3 values"),
+    (lambda: nn.Linear(5, 3)(np.ones((2, 4), np.float32)), r"^x must have 5 values"),
+    (lambda: nn.MaxPool2d(2)(np.ones((6, 6, 4), np.float32)), r"^x must be 4-D"),
+    (lambda: nn.AvgPool2d(2)(np.ones((6, 6, 4), np.float32)), r"^x must be 4-D"),
+    (lambda: nn.AdaptiveAvgPool2d(1)(np.ones((6, 6, 4), np.float32)), r"^x must be 4-D"),
+    (lambda: nn.CrossEntropyLoss()(np.zeros(3), np.array([0])), r"^logits must be 2-D"),
+    (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0])), r"^labels must be 2"),
+    (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0.0, 1.0])),
+     r"^labels must be 2"),
+    # torch raises for -1 (and ignores -100, its ignore_index): numpy's
+    # indexing took them as classes counted from the end (found by fuzzing)
+    (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, -1])),
+     r"^labels must be class indices in \[0, 3\)"),
+    (lambda: nn.CrossEntropyLoss()(np.zeros((1, 150)), np.array([-100])),
+     r"^labels must be class indices"),
+    (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, 3])),
+     r"^labels must be class indices"),
+])
+def test_layer_errors_name_the_input(call, match):
+    """Mismatched inputs raise a ValueError naming the input and the layer,
+    not numpy's broadcasting or reshape errors from inside the layer."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 # ------------------------------------------------------------------ SGD
 
 @pytest.mark.parametrize("options", [dict(momentum=0.9, weight_decay=1e-2),
