@@ -62,7 +62,7 @@ from .gemm import dgemm, sgemm
 
 __all__ = [
     "Parameter", "Module", "no_grad",
-    "Conv2d", "ConvTranspose2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
+    "Conv2d", "ConvTranspose2d", "Linear", "ReLU", "ReLU6", "MaxPool2d", "AvgPool2d",
     "AdaptiveAvgPool2d", "BatchNorm2d", "Flatten", "Identity", "Sequential", "BasicBlock",
     "CrossEntropyLoss", "SGD",
     "fold_batchnorm", "fold_batchnorms", "prepack", "load_torch_state_dict",
@@ -472,20 +472,42 @@ class Linear(Module):
 # -------------------------------------------------------- simple layers
 
 class ReLU(Module):
+    #: The conv epilogue's name for this function (fastconv.conv2d's
+    #: activation=), which prepack() fuses into the conv before it.
+    activation = "relu"
     #: Set by prepack() when the conv before applies this ReLU in its
     #: kernel's epilogue; then, in eval mode, forward passes x through.
     _fused = False
 
     def forward(self, x):
-        y = x if self._fused and not self.training else np.maximum(x, 0)
+        y = x if self._fused and not self.training else self._function(x)
         self._save_for_backward(y=y)  # y > 0 where the input was
         return y
+
+    @staticmethod
+    def _function(x):
+        return np.maximum(x, 0)
 
     def backward(self, grad_output):
         return grad_output * (self._saved_for_backward()["y"] > 0)
 
     def _drop_packed_weights(self):
         self._fused = False
+
+
+class ReLU6(ReLU):
+    """min(max(x, 0), 6), torch.nn.ReLU6 (MobileNet's activation); like
+    ReLU, prepack() fuses it into a conv that feeds it.  The gradient flows
+    where 0 < x < 6, not at NaN (like ReLU's; torch's varies there)."""
+    activation = "relu6"
+
+    @staticmethod
+    def _function(x):
+        return np.minimum(np.maximum(x, 0), 6)
+
+    def backward(self, grad_output):
+        y = self._saved_for_backward()["y"]
+        return grad_output * ((y > 0) & (y < 6))
 
 
 class Identity(Module):
@@ -1142,24 +1164,24 @@ def prepack(model):
     kernels (fastconv.PackedConv2d: GEMM panels, or Winograd-domain filters
     for 3x3 stride-1 layers), for inference: in eval mode each call then
     skips repacking them, which for a deep layer at batch 1 costs about as
-    much as the convolution.  A ReLU that directly follows a conv (after
-    fold_batchnorms, also conv -> batchnorm -> ReLU) is fused into the
-    conv's kernel epilogue, applied while each output tile is in cache; so
-    is a BasicBlock's relu2(conv2(.) + shortcut) once bn2 is folded.
-    The packs and fusions are dropped by train(), load_state_dict() and
-    astype();
-    after changing weights any other way (an optimizer step in eval mode),
-    call prepack again.  Returns model."""
-    fused = set()
+    much as the convolution.  A ReLU or ReLU6 that directly follows a conv
+    (after fold_batchnorms, also conv -> batchnorm -> ReLU) is fused into
+    the conv's kernel epilogue, applied while each output tile is in
+    cache; so is a BasicBlock's relu2(conv2(.) + shortcut) once bn2 is
+    folded.  The packs and fusions are dropped by train(), load_state_dict()
+    and astype(); after changing weights any other way (an optimizer step in
+    eval mode), call prepack again.  Returns model."""
+    fused = {}    # id(conv) -> the activation its epilogue applies
     for _, module in model.named_modules():
         for conv_name, relu_name in module._conv_relu_pairs():
-            fused.add(id(getattr(module, conv_name)))
-            getattr(module, relu_name)._fused = True
+            relu = getattr(module, relu_name)
+            fused[id(getattr(module, conv_name))] = relu.activation
+            relu._fused = True
     for _, module in model.named_modules():
         if isinstance(module, Conv2d):
             bias = None if module.bias is None else module.bias.data
             module._packed = PackedConv2d(module.weight.data, bias, **module._geometry(),
-                                          activation="relu" if id(module) in fused else None)
+                                          activation=fused.get(id(module)))
         elif isinstance(module, BasicBlock) and isinstance(module.bn2, Identity):
             module._residual_fused = True
     return model

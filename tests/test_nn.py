@@ -111,6 +111,7 @@ CASES = [
     Case("linear-3d-input-nobias", lambda: nn.Linear(5, 3, bias=False, dtype=F64, rng=7),
          lambda: T.Linear(5, 3, bias=False).double(), (2, 3, 5)),
     Case("relu", nn.ReLU, T.ReLU, (2, 4, 5, 3)),
+    Case("relu6", nn.ReLU6, T.ReLU6, (2, 4, 5, 3)),
     Case("maxpool-3-2-1", lambda: nn.MaxPool2d(3, 2, 1), lambda: T.MaxPool2d(3, 2, 1),
          (2, 7, 6, 3)),
     Case("maxpool-2", lambda: nn.MaxPool2d(2), lambda: T.MaxPool2d(2), (2, 6, 5, 3)),
@@ -773,6 +774,36 @@ def test_basic_block_fused_residual_matches_and_keeps_its_backward():
         assert (got >= 0).all() and (got == 0).any()
         np.testing.assert_allclose(block.backward(grad_out), expected_grad, rtol=1e-4,
                                    atol=1e-4)
+
+
+def test_relu6_clamps_both_ends_and_fuses_into_the_conv():
+    """ReLU6 against torch over inputs well past 6 (values, gradient zero
+    outside (0, 6); NaN kept, its gradient 0: torch's is 0 in its vector
+    loop and passes through in its scalar tail), and prepack's fusion of it
+    into the conv before it (activation "relu6" in the epilogue) against
+    the unfused model."""
+    x = randn(2, 4, 5, 3, seed=3) * 8
+    layer, x_torch = nn.ReLU6(), nchw(x).requires_grad_()
+    y_torch = torch.nn.ReLU6()(x_torch)
+    y = layer(x)
+    np.testing.assert_array_equal(y, nhwc(y_torch))
+    assert (y == 6).any() and (y == 0).any()
+    grad = randn(*x.shape, seed=4)
+    y_torch.backward(nchw(grad))
+    np.testing.assert_array_equal(layer.backward(grad), nhwc(x_torch.grad))
+    assert np.isnan(layer(np.full(3, np.nan))).all()
+    np.testing.assert_array_equal(layer.backward(np.ones(3)), 0)
+    rng = np.random.default_rng(9)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, rng=1), nn.ReLU6(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8, rng=2), nn.ReLU6())
+    images = (rng.standard_normal((2, 9, 9, 3)) * 6).astype(np.float32)
+    model.eval()
+    expected = model(images)
+    assert (expected == 6).any()
+    nn.prepack(model)
+    assert model[1]._fused and model[3]._fused
+    assert model[0]._packed.activation == model[2]._packed.activation == "relu6"
+    np.testing.assert_allclose(model(images), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_prepack_fuses_conv_relu_and_undoes_it_safely():
