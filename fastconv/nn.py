@@ -854,7 +854,7 @@ class BatchNorm2d(Module):
         return 1.0 / np.sqrt(var + self.eps)
 
     def _forward_numpy(self, x):
-        # Other dtypes (and the definition the kernels are tested against).
+        # Other dtypes than the kernels' float32/float64, or x and weight apart.
         pixels = x.reshape(-1, self.num_features)
         count = pixels.shape[0]
         mean = pixels.sum(axis=0, dtype=np.float64) / max(count, 1)
