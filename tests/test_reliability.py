@@ -495,6 +495,18 @@ def limit(headroom):
 def unlimit():
     resource.setrlimit(resource.RLIMIT_AS, (resource.getrlimit(resource.RLIMIT_AS)[1],) * 2)
 
+def limit_works():
+    # Whether RLIMIT_AS stops an allocation past it (qemu-user, which runs
+    # aarch64 builds on x86-64 hosts, ignores it).
+    limit(64 << 20)
+    try:
+        np.ones(256 << 20, np.uint8)
+        works = False
+    except MemoryError:
+        works = True
+    unlimit()
+    return works
+
 def outcome(f):
     try:
         f()
@@ -562,6 +574,9 @@ def test_kernel_workspace_allocation_failure_raises_memory_error():
     MemoryError, frees what it had (no growth over 20 failures) and the
     next call works."""
     out = check_python(LIMITED_PRELUDE + """
+if not limit_works():
+    print(json.dumps({"rlimit": "ignored"}))
+    sys.exit(0)
 f32 = np.float32
 C = 1 << 22                   # K = 2*C: workspace >= 2 threads x 6 rows x K floats = 400 MB
 x = np.ones((1, 1, 2, C), f32)
@@ -590,6 +605,8 @@ res["after"] = bool(y.shape == (1, 1, 1, 1) and y[0, 0, 0, 0] == 128)
 print(json.dumps(res))
 """)
     res = last_json(out)
+    if res == {"rlimit": "ignored"}:
+        pytest.skip("RLIMIT_AS has no effect here (qemu-user emulation): no allocation fails")
     assert res.pop("after")
     for name, value in res.items():
         if name.endswith("growth"):
@@ -872,6 +889,21 @@ def _best_time(f, reps):
     return best
 
 
+def _numpy_subnormal_ratio():
+    """How much slower numpy's own element-wise multiply-add runs on
+    subnormal inputs than on normal ones, here: the platform's penalty,
+    which no kernel that computes subnormals avoids (qemu-user emulates
+    subnormal arithmetic in software: 4.3x, measured on an aarch64 build)."""
+    rng = np.random.default_rng(3)
+    a = rng.uniform(0.5, 1.0, 1 << 20).astype(np.float32)
+    sa = (a * (np.finfo(np.float32).smallest_normal / 64)).astype(np.float32)
+    out = np.empty_like(a)
+
+    def multiply_add(v):
+        return lambda: np.add(np.multiply(v, a, out=out), v, out=out)
+    return min(_best_time(multiply_add(sa), 5) / _best_time(multiply_add(a), 5) for _ in range(3))
+
+
 def _subnormal_cases():
     rng = np.random.default_rng(2)
     tiny = np.finfo(np.float32).smallest_normal
@@ -906,7 +938,15 @@ def test_subnormal_inputs_are_not_much_slower(name):
         tn = min(tn, _best_time(normal, 2))
         ts = min(ts, _best_time(subnormal, 2))
     message = f"{name}: subnormal {ts * 1e3:.2f} ms vs normal {tn * 1e3:.2f} ms ({ts / tn:.2f}x)"
-    if ts >= 2.0 * tn and _dispatch.current_isa() == "baseline" and platform.machine() in X86_64:
+    allowed = 2.0
+    if platform.machine() not in X86_64:
+        # Elsewhere the platform's own penalty counts (numpy's measured in
+        # this run); on x86-64 the FMA builds must stay under 2x.
+        platform_ratio = _numpy_subnormal_ratio()
+        allowed = 2.0 * max(1.0, platform_ratio)
+        message += f"; numpy's own multiply-add {platform_ratio:.2f}x"
+    if (ts >= allowed * tn and _dispatch.current_isa() == "baseline"
+            and platform.machine() in X86_64):
         # SSE2 has no FMA: a separate multiply rounds each product to a
         # subnormal, which some x86 CPUs handle in microcode.  Measured on
         # the AMD EPYC (Zen 4) CI machine, only on one of its two vCPUs and
@@ -914,7 +954,7 @@ def test_subnormal_inputs_are_not_much_slower(name):
         # 1.0x there.  Flushing to zero would be the fix, and only as an
         # opt-in; it is not implemented.
         pytest.xfail("known subnormal penalty of the non-FMA baseline build on x86-64: " + message)
-    assert ts < 2.0 * tn, message
+    assert ts < allowed * tn, message
 
 
 # -------------------------------------------------------- workspace cache
