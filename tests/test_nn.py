@@ -408,8 +408,9 @@ def test_batchnorm_training_step_matches_torch(dtype, shape, view, affine):
     """The compiled batch norm (channel sums in float64, the normalisation
     and the input gradient in one pass each) against torch in float64:
     output, gradients and running statistics, odd channel counts (vector
-    tails), pixel counts across the 256-pixel summing blocks, views; the
-    mean offset by 100 standard deviations' worth of float32 rounding."""
+    tails), pixel counts across the 256-pixel summing blocks, views; inputs
+    centred at 100 with a spread of 3, where a mean rounded to float32
+    before the subtraction would lose digits."""
     rng = np.random.default_rng(4)
     n, h, w, c = shape
     base = rng.standard_normal((n, h, w, 2 * c if view == "channel-slice" else c)) * 3 + 100
