@@ -883,9 +883,8 @@ class BatchNorm2d(Module):
         if grad_rows.dtype in (np.float32, np.float64) and normalized_rows.dtype == grad_rows.dtype:
             grad_sum = np.empty(self.num_features)
             grad_dot_normalized = np.empty(self.num_features)
-            _dispatch.kernels.channel_sums(np.ascontiguousarray(grad_rows),
-                                           np.ascontiguousarray(normalized_rows), None,
-                                           grad_sum, grad_dot_normalized, get_num_threads())
+            _dispatch.kernels.channel_sums(grad_rows, normalized_rows, None, grad_sum,
+                                           grad_dot_normalized, get_num_threads())
         else:
             grad_sum = grad_rows.sum(axis=0, dtype=np.float64)
             grad_dot_normalized = np.einsum("pc,pc->c", grad_rows, normalized_rows,
@@ -898,13 +897,15 @@ class BatchNorm2d(Module):
     def backward(self, grad_output):
         saved = self._saved_for_backward()
         grad_output = np.asarray(grad_output)
-        grad_rows = grad_output.reshape(-1, self.num_features)
+        # Contiguous once, for both passes of the kernels (normalized is).
+        grad_rows = np.ascontiguousarray(grad_output).reshape(-1, self.num_features)
         dtype = grad_output.dtype
         if not saved["batch_stats"]:  # a fixed affine map per channel
             if self.weight is not None:
                 inv_std = self._running_inv_std().astype(dtype)
                 normalized = (saved["x"] - self.running_mean) * inv_std
-                self._affine_grads(grad_rows, normalized.reshape(grad_rows.shape))
+                self._affine_grads(grad_rows,
+                                   np.ascontiguousarray(normalized).reshape(grad_rows.shape))
             return grad_output * saved["scale"]
         normalized, inv_std = saved["normalized"], saved["inv_std"]
         count = grad_rows.shape[0]
@@ -919,9 +920,8 @@ class BatchNorm2d(Module):
         scale = np.broadcast_to(gamma * inv_std, (self.num_features,)).astype(dtype)
         if dtype in (np.float32, np.float64) and normalized.dtype == dtype:
             grad_x = np.empty(grad_rows.shape, dtype)
-            _dispatch.kernels.batchnorm_input_grad(
-                np.ascontiguousarray(grad_rows), np.ascontiguousarray(normalized_rows),
-                grad_mean, projection, scale, grad_x, get_num_threads())
+            _dispatch.kernels.batchnorm_input_grad(grad_rows, normalized_rows, grad_mean,
+                                                   projection, scale, grad_x, get_num_threads())
             return grad_x.reshape(grad_output.shape)
         grad_x = grad_output - grad_mean
         grad_x -= normalized * projection

@@ -456,6 +456,36 @@ def test_batchnorm_does_not_depend_on_the_thread_count(request):
         np.testing.assert_array_equal(a, b)
 
 
+def test_batchnorm_numpy_path_and_views_agree_with_the_kernels():
+    """float16 (which the kernels do not take) runs the numpy definition:
+    a training step equals the float32 kernels' to float16 rounding.  In
+    eval mode a transposed x and grad (not contiguous) give what their
+    contiguous copies give, bit for bit."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 6, 5, 7)) * 2 + 1
+    grad = rng.standard_normal(x.shape)
+    steps = {}
+    for dtype in (np.float32, np.float16):
+        bn = nn.BatchNorm2d(7, dtype=dtype)
+        bn.weight.data[:] = np.linspace(0.5, 1.5, 7)
+        y, grad_x, grads = _batchnorm_step(bn, x.astype(dtype), grad.astype(dtype))
+        assert y.dtype == grad_x.dtype == dtype
+        steps[dtype] = (y, grad_x, grads["weight"], grads["bias"], bn.running_var)
+    for half, single in zip(steps[np.float16], steps[np.float32]):
+        np.testing.assert_allclose(half.astype(np.float32), single, rtol=2e-2, atol=2e-2)
+    bn.astype(np.float32).eval()
+    view, grad_view = x.astype(np.float32).transpose(0, 2, 1, 3), grad.astype(
+        np.float32).transpose(0, 2, 1, 3)
+    assert not view.flags.c_contiguous
+    results = []
+    for images, g in ((view, grad_view), (view.copy(), grad_view.copy())):
+        results.append(_batchnorm_step(bn, images, g))
+    for a, b in zip(results[0][:2], results[1][:2]):
+        np.testing.assert_array_equal(a, b)
+    for name in ("weight", "bias"):
+        np.testing.assert_array_equal(results[0][2][name], results[1][2][name])
+
+
 def test_batchnorm_empty_batch_and_single_value_follow_torch():
     """An empty batch leaves the running statistics alone (torch does);
     one value per channel cannot give batch statistics (torch raises)."""
