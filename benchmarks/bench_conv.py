@@ -417,6 +417,7 @@ class Cell:
         self.backward_errors = {}  # system -> (grad input err, grad weight err)
         self.forward_share = self.ort_share = self.backward_share = None
         self.applicable = {}   # algorithm -> bool
+        self.tuned = None      # what conv2d(algorithm="tune") chose
         self.reference = None  # what the errors are measured against
 
     def rate(self, key):
@@ -473,6 +474,14 @@ def measure_cell(spec, batch, threads, settings, torch, ort, with_backward):
         outputs[key] = nchw(y) if torch is not None and key.startswith("torch") else y
         if key == "fastconv":
             fastconv_seconds = seconds
+    # algorithm="tune": its own timing, once (not timed itself: it runs what
+    # it chose), after the pause every system's block gets (the thread pools
+    # of the calls above spin for a while and would slow its samples)
+    fastconv.clear_tuned_algorithms()
+    time.sleep(settings.pause)
+    with fc_threads():
+        fastconv.conv2d(x, w, None, **kwargs, algorithm="tune")
+    (cell.tuned,) = fastconv.tuned_algorithms().values()
     cell.reference = "torch NCHW" if torch is not None else "numpy"
     reference = outputs[cell.reference]
     cell.errors = {key: h.max_relative_error(y, reference) for key, y in outputs.items()
@@ -550,7 +559,7 @@ def forward_section(cells, batch):
 
 
 def algorithm_section(cells, batch):
-    headers = ["layer", "thr", "auto"] + list(ALGORITHMS) + ["packed", "best/auto"]
+    headers = ["layer", "thr", "auto"] + list(ALGORITHMS) + ["packed", "best/auto", "tune"]
     rows = []
     for c in cells:
         auto = auto_algorithm(c.spec, c.batch)
@@ -570,6 +579,8 @@ def algorithm_section(cells, batch):
         row.append(fmt_rate(packed) if packed is not None else "= auto")
         best = max(medians, key=medians.get)
         row.append(f"{medians[best] / medians[auto]:.2f} ({best})")
+        row.append("= auto" if c.tuned == auto else
+                   f"{c.tuned} ({medians[c.tuned] / medians[auto]:.2f})")
         rows.append(row)
     notes = ["fastconv.conv2d(algorithm=...) GFLOPS, best / median; 'auto': what "
              "algorithm='auto' runs (its column repeats the 'fastconv' column of the forward "
@@ -577,7 +588,9 @@ def algorithm_section(cells, batch):
              "algorithm does not apply.  packed: fastconv.PackedConv2d (weights packed once, "
              "as nn.prepack does; its auto can take winograd where conv2d's does not); '= auto': "
              "nothing to pack (gemm1x1, direct), the same code as auto.  "
-             "best/auto: the fastest (median) over auto's."]
+             "best/auto: the fastest (median) over auto's.  tune: what "
+             "algorithm='tune' chose by its own one-time timing (and its median over auto's "
+             "here), '= auto' where it kept auto's choice."]
     return (f"fastconv forward algorithms, batch {batch}", headers, rows, notes)
 
 

@@ -8,6 +8,7 @@ from ._config import __version__, release_workspace, show_config
 from ._threads import get_num_threads, set_num_threads
 from .conv import (PackedConv2d, col2im, conv2d, conv2d_backward, conv_transpose2d,
                    conv_transpose2d_backward, im2col)
+from ._tune import clear_tuned_algorithms, tuned_algorithms
 from .gemm import dgemm, matmul, sgemm
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "sgemm", "dgemm", "matmul",
     "im2col", "col2im", "conv2d", "conv2d_backward",
     "conv_transpose2d", "conv_transpose2d_backward", "PackedConv2d",
+    "tuned_algorithms", "clear_tuned_algorithms",
 ]

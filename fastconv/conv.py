@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _args, _dispatch
+from . import _args, _dispatch, _tune
 from ._threads import get_num_threads
 from .gemm import empty_aligned
 
@@ -192,7 +192,7 @@ def _group_slices(groups, C, OC):
 
 
 #: conv2d's algorithm choices; see _choose_algorithm.
-ALGORITHMS = ("auto", "implicit", "im2col", "gemm1x1", "direct", "winograd")
+ALGORITHMS = ("auto", "tune", "implicit", "im2col", "gemm1x1", "direct", "winograd")
 #: conv2d's fused activations, as the kernels' epilogue codes.
 _ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2}
 
@@ -319,17 +319,49 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
         if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):
             return "winograd"
         return "implicit"
+    reason = _inapplicable(algorithm, groups, C, OC, geo, in_hw)
+    if reason:
+        raise ValueError(reason)
+    return algorithm
+
+
+def _inapplicable(algorithm, groups, C, OC, geo, in_hw):
+    """Why a forced algorithm cannot run this convolution ("" if it can)."""
     if algorithm == "direct" and not (_is_depthwise(groups, C)
                                       or _is_narrow_grouped(groups, C, OC, geo.kernel)):
-        raise ValueError(f"algorithm='direct' needs a depthwise layer (groups == C > 1) or "
-                         f"groups of 2, 4, 8 or 16 input and as many output channels "
-                         f"(got groups={groups}, C={C}, OC={OC})")
+        return (f"algorithm='direct' needs a depthwise layer (groups == C > 1) or "
+                f"groups of 2, 4, 8 or 16 input and as many output channels "
+                f"(got groups={groups}, C={C}, OC={OC})")
     if algorithm == "gemm1x1" and not _is_pointwise(geo, in_hw):
-        raise ValueError("algorithm='gemm1x1' needs a 1x1 kernel with stride 1 and no padding")
+        return "algorithm='gemm1x1' needs a 1x1 kernel with stride 1 and no padding"
     if algorithm == "winograd" and not _is_winograd(geo):
-        raise ValueError(f"algorithm='winograd' needs a 3x3 kernel with stride 1 "
-                         f"(got kernel {geo.kernel}, stride {geo.stride})")
-    return algorithm
+        return (f"algorithm='winograd' needs a 3x3 kernel with stride 1 "
+                f"(got kernel {geo.kernel}, stride {geo.stride})")
+    return ""
+
+
+#: What algorithm="tune" times: every algorithm "auto" can choose.  Not
+#: im2col, which builds the whole patch matrix (the memory implicit GEMM
+#: exists to save) and measured slower than implicit GEMM everywhere.
+_TUNE_CANDIDATES = ("implicit", "gemm1x1", "winograd", "direct")
+
+
+def _tuned_algorithm(x, w2d, groups, geo, bias, activation, packed, residual):
+    """algorithm="tune": the fastest algorithm for this problem, timed at
+    its first call in the process (fastconv/_tune.py)."""
+    N, _, _, C = x.shape
+    OC = w2d.shape[0]
+    prepacked = packed is not None
+    auto = _choose_algorithm("auto", groups, C, OC, N, geo, x.shape[1:3], prepacked)
+    if x.size == 0 or N * geo.out_hw[0] * geo.out_hw[1] * OC == 0:
+        return auto     # nothing to compute, nothing to time
+    problem = _tune.Problem(_dispatch.kernels.ISA, x.dtype.str, x.shape, w2d.shape, groups,
+                            *geo, get_num_threads(), prepacked, bias is not None,
+                            residual is not None, activation)
+    candidates = tuple(a for a in _TUNE_CANDIDATES
+                       if not _inapplicable(a, groups, C, OC, geo, x.shape[1:3]))
+    return _tune.choose(problem, candidates, auto, lambda a: _forward(
+        x, w2d, groups, geo, bias, a, activation, packed, residual))
 
 
 def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, packed=None,
@@ -338,6 +370,8 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     + residual (None or an array of the result's shape), then the
     activation.  packed: None, or a callable giving the packed weights for
     (kernels, group, algorithm[, Winograd tile])."""
+    if algorithm == "tune":
+        algorithm = _tuned_algorithm(x, w2d, groups, geo, bias, activation, packed, residual)
     N, _, _, C = x.shape
     OC, K = w2d.shape
     OH, OW = geo.out_hw
@@ -847,15 +881,18 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     x, weight and bias must share one dtype, float32 or float64.
 
     algorithm: "auto" (default: "direct" for depthwise and for groups of 2,
-    4, 8 or 16 channels in and out, "gemm1x1" for 1x1
-    stride-1 unpadded, "winograd" for 3x3 stride-1 layers with enough
-    channels and tiles, "im2col" for strided layers with a small patch
-    matrix, else "implicit"), or one of those to force it (ValueError where
-    it does not apply).  Winograd F(4x4, 3x3) (F(2x2, 3x3) where there
-    are few tiles) rounds differently from the direct methods (float32
-    error vs a float64 reference a few times larger; benchmarks/README.md
-    has the figures), and a NaN or inf in an input window spreads over its
-    whole 4x4 (2x2) output tile.  activation: None, "relu" or
+    4, 8 or 16 channels in and out, "gemm1x1" for most 1x1 stride-1
+    unpadded layers, "winograd" for 3x3 stride-1 layers with enough
+    channels and tiles, else "implicit"; see _choose_algorithm), or one of
+    those or "im2col" to force it (ValueError where it does not apply), or
+    "tune": at the problem's first call in the process, time every
+    algorithm auto can choose that applies and keep the fastest (auto's
+    choice unless another is 5 % faster; fastconv.tuned_algorithms() lists
+    the choices).  Winograd F(4x4, 3x3) (F(2x2, 3x3) where there are few
+    tiles) rounds differently from the direct methods (float32 error vs a
+    float64 reference a few times larger; benchmarks/README.md has the
+    figures), and a NaN or inf in an input window spreads over its whole
+    4x4 (2x2) output tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
     still in cache.  residual: None, or an array of the result's shape and
     dtype added before the activation (ResNet's relu(conv(x) + shortcut));
@@ -893,7 +930,10 @@ class PackedConv2d:
     With the filter transform paid once, "auto" takes Winograd for every
     3x3 stride-1 layer with at least 16 input and output channels per group,
     and with the GEMM panels packed once, implicit GEMM for 1x1 layers whose
-    weights outweigh the image (see _choose_algorithm).
+    weights outweigh the image (see _choose_algorithm).  With
+    algorithm="tune", the first call with each input shape times the
+    algorithms (packing the weights for each) and keeps the packs of the
+    one chosen.
     """
 
     def __init__(self, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
@@ -910,21 +950,23 @@ class PackedConv2d:
         self.activation = activation
         self._w2d = _weight_matrix(_to_nhwc(self.weight, layout))
         self._packs = {}   # (ISA, algorithm, Winograd tile, group) -> packed weights
+        self._tuned = set()  # algorithm="tune": the algorithms chosen so far
 
     def _packed(self, kernels, group, algorithm, tile=4):
         # tile: the Winograd variant (_winograd_tile), F(4x4) when groups
         # run in parallel.
         key = (kernels.ISA, algorithm, tile if algorithm == "winograd" else None, group)
-        if key not in self._packs:
+        pack = self._packs.get(key)
+        if pack is None:
             OCg = self._w2d.shape[0] // self.options["groups"]
             w_group = np.ascontiguousarray(self._w2d[group * OCg:(group + 1) * OCg])
             if algorithm == "winograd":
-                self._packs[key] = kernels.pack_winograd_weights(w_group, get_num_threads(),
-                                                                 tile)
+                pack = kernels.pack_winograd_weights(w_group, get_num_threads(), tile)
             else:
                 kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
-                self._packs[key] = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
-        return self._packs[key]
+                pack = kernels.pack_conv_weights(w_group, kernel, get_num_threads())
+            self._packs[key] = pack
+        return pack
 
     def __call__(self, x, residual=None, activation=_UNSET):
         """The convolution of x; residual as in conv2d; activation, when
@@ -936,8 +978,17 @@ class PackedConv2d:
             activation = self.activation
         _check_activation(activation)
         residual = _check_residual(residual, c)
-        y = _forward(c.padded_x(), self._w2d, o["groups"], c.geo, self.bias, self.algorithm,
-                     activation, self._packed, residual)
+        x, algorithm = c.padded_x(), self.algorithm
+        if algorithm == "tune":
+            algorithm = _tuned_algorithm(x, self._w2d, o["groups"], c.geo, self.bias,
+                                         activation, self._packed, residual)
+            if algorithm not in self._tuned:
+                # Tuning packed the weights for every candidate; keep the
+                # packs of the algorithms chosen for some input shape only.
+                self._tuned.add(algorithm)
+                self._packs = {k: v for k, v in self._packs.items() if k[1] in self._tuned}
+        y = _forward(x, self._w2d, o["groups"], c.geo, self.bias, algorithm, activation,
+                     self._packed, residual)
         return _from_nhwc(y, c.layout)
 
 

@@ -1159,7 +1159,7 @@ def fold_batchnorm(conv, bn):
     return folded
 
 
-def prepack(model):
+def prepack(model, algorithm="auto"):
     """Pack the weights of every Conv2d in model once for fastconv's
     kernels (fastconv.PackedConv2d: GEMM panels, or Winograd-domain filters
     for 3x3 stride-1 layers), for inference: in eval mode each call then
@@ -1170,7 +1170,10 @@ def prepack(model):
     cache; so is a BasicBlock's relu2(conv2(.) + shortcut) once bn2 is
     folded.  The packs and fusions are dropped by train(), load_state_dict()
     and astype(); after changing weights any other way (an optimizer step in
-    eval mode), call prepack again.  Returns model."""
+    eval mode), call prepack again.  algorithm: "auto", or "tune" to time
+    the algorithms at each conv's first call with an input shape (see
+    PackedConv2d).  Returns model."""
+    algorithm = _args.choice(algorithm, "algorithm", ("auto", "tune"))
     fused = {}    # id(conv) -> the activation its epilogue applies
     for _, module in model.named_modules():
         for conv_name, relu_name in module._conv_relu_pairs():
@@ -1181,7 +1184,8 @@ def prepack(model):
         if isinstance(module, Conv2d):
             bias = None if module.bias is None else module.bias.data
             module._packed = PackedConv2d(module.weight.data, bias, **module._geometry(),
-                                          activation=fused.get(id(module)))
+                                          activation=fused.get(id(module)),
+                                          algorithm=algorithm)
         elif isinstance(module, BasicBlock) and isinstance(module.bn2, Identity):
             module._residual_fused = True
     return model
