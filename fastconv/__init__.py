@@ -8,7 +8,8 @@ from ._config import __version__, release_workspace, show_config
 from ._threads import get_num_threads, set_num_threads
 from .conv import (PackedConv2d, col2im, conv2d, conv2d_backward, conv_transpose2d,
                    conv_transpose2d_backward, im2col)
-from ._tune import clear_tuned_algorithms, tuned_algorithms
+from ._tune import (clear_tuned_algorithms, load_tuned_algorithms, save_tuned_algorithms,
+                    tuned_algorithms)
 from .gemm import dgemm, matmul, sgemm
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "sgemm", "dgemm", "matmul",
     "im2col", "col2im", "conv2d", "conv2d_backward",
     "conv_transpose2d", "conv_transpose2d_backward", "PackedConv2d",
-    "tuned_algorithms", "clear_tuned_algorithms",
+    "tuned_algorithms", "clear_tuned_algorithms", "save_tuned_algorithms",
+    "load_tuned_algorithms",
 ]

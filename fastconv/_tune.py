@@ -8,7 +8,10 @@ torch.backends.cudnn.benchmark does.  The choice is cached by everything
 that changes which one wins: the kernel build, dtype, the shapes, the
 convolution's geometry, the thread count, and whether the weights are
 prepacked, a residual is added or a bias and activation are applied.
+The choices can be saved to a file and loaded in another process (FFTW's
+"wisdom"), which then skips the timing and makes the same choices.
 """
+import json
 import threading
 import time
 from typing import NamedTuple
@@ -31,7 +34,8 @@ SAMPLE_SECONDS = 5e-3
 MAX_REPEATS = 64
 #: After the warm-up, candidates this many times slower than the quickest
 #: are not timed further (a single disturbed call can take 4x its time, so
-#: this is wide; the ones it is for are 20-200x slower).
+#: this is wide; the depthwise layers it is for run the other algorithms
+#: 70-200x slower).
 HOPELESS = 8.0
 
 
@@ -68,6 +72,83 @@ def clear_tuned_algorithms():
     """Forget every tuned choice; the next "tune" call of each problem times again."""
     with _lock:
         _choices.clear()
+
+
+_FILE_FORMAT = "fastconv tuned algorithms"
+_FILE_VERSION = 1
+
+
+def save_tuned_algorithms(path):
+    """Write every tuned choice of this process to a JSON file at path, for
+    load_tuned_algorithms in another process."""
+    with _lock:
+        entries = [{"problem": p._asdict(), "algorithm": a} for p, a in _choices.items()]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"format": _FILE_FORMAT, "version": _FILE_VERSION, "choices": entries}, f,
+                  indent=1)
+
+
+def load_tuned_algorithms(path):
+    """Add the choices in a file written by save_tuned_algorithms (replacing
+    this process's choices for the same problems); "tune" calls of those
+    problems then time nothing.  Choices for another ISA build or thread
+    count are kept but match no call here.  Returns how many were loaded;
+    ValueError if the file is not such a file or names an algorithm that
+    cannot run its problem (nothing is loaded then)."""
+    from .conv import _TUNE_CANDIDATES, _Geometry, _inapplicable
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a fastconv tuned-algorithms file ({e})") from None
+    if (not isinstance(data, dict) or data.get("format") != _FILE_FORMAT
+            or not isinstance(data.get("choices"), list)):
+        raise ValueError(f"{path}: not a fastconv tuned-algorithms file")
+    if data.get("version") != _FILE_VERSION:
+        raise ValueError(f"{path}: version {data.get('version')!r}; this fastconv reads "
+                         f"version {_FILE_VERSION}")
+    loaded = {}
+    for i, entry in enumerate(data["choices"]):
+        problem, algorithm = _problem_from_json(entry), entry.get("algorithm")
+        if problem is None:
+            raise ValueError(f"{path}: choice {i} is malformed: {entry!r}")
+        geo = _Geometry(problem.kernel, problem.stride, problem.dilation, problem.pad_before,
+                        problem.out_hw)
+        reason = ("" if algorithm in _TUNE_CANDIDATES else f"unknown algorithm {algorithm!r}")
+        reason = reason or _inapplicable(algorithm, problem.groups, problem.x_shape[3],
+                                         problem.weight_shape[0], geo, problem.x_shape[1:3])
+        if reason:
+            raise ValueError(f"{path}: choice {i}: {reason}")
+        loaded[problem] = algorithm
+    with _lock:
+        _choices.update(loaded)
+    return len(loaded)
+
+
+#: Problem's fields as JSON gives them back: the type, and a tuple's length.
+_FIELD_KINDS = {"isa": str, "dtype": str, "x_shape": 4, "weight_shape": 2, "groups": int,
+                "kernel": 2, "stride": 2, "dilation": 2, "pad_before": 2, "out_hw": 2,
+                "threads": int, "prepacked": bool, "bias": bool, "residual": bool,
+                "activation": (type(None), str)}
+
+
+def _problem_from_json(entry):
+    """The Problem of a saved choice, or None if it is not one."""
+    fields = entry.get("problem") if isinstance(entry, dict) else None
+    if not isinstance(fields, dict) or set(fields) != set(Problem._fields):
+        return None
+    values = {}
+    for name, kind in _FIELD_KINDS.items():
+        v = fields[name]
+        if isinstance(kind, int):
+            if not (isinstance(v, list) and len(v) == kind
+                    and all(type(n) is int and n >= 0 for n in v)):
+                return None
+            v = tuple(v)
+        elif not isinstance(v, kind) or (kind is int and (type(v) is not int or v < 1)):
+            return None
+        values[name] = v
+    return Problem(**values)
 
 
 def _sample(run, repeats):

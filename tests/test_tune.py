@@ -245,3 +245,50 @@ def test_tuning_is_quick_for_a_depthwise_layer():
     fastconv.conv2d(x, w, padding=1, groups=64, algorithm="tune")
     assert the_choice()[1] == "direct"
     assert time.perf_counter() - start < 200 * direct + 1.0
+
+
+def test_saved_choices_load_into_another_process_state(tmp_path, monkeypatch):
+    rng = np.random.default_rng(7)
+    x, w, b = operands(rng, 1, 9, 9, 32, 32, 3, 1)
+    fastconv.conv2d(x, w, b, padding=1, algorithm="tune", activation="relu6")
+    fastconv.conv2d(x, w[:, :1, :1], algorithm="tune")
+    saved = fastconv.tuned_algorithms()
+    path = tmp_path / "tuned.json"
+    fastconv.save_tuned_algorithms(path)
+    fastconv.clear_tuned_algorithms()
+    assert fastconv.load_tuned_algorithms(path) == 2
+    assert fastconv.tuned_algorithms() == saved
+    # a loaded choice is used as it is: nothing is timed
+    calls = []
+    real_forward = conv._forward
+    monkeypatch.setattr(conv, "_forward",
+                        lambda *a, **k: calls.append(a[5]) or real_forward(*a, **k))
+    fastconv.conv2d(x, w, b, padding=1, algorithm="tune", activation="relu6")
+    assert calls == ["tune"]
+
+
+def test_loading_a_bad_file_names_it_and_loads_nothing(tmp_path):
+    rng = np.random.default_rng(8)
+    x, w, _ = operands(rng, 1, 6, 6, 16, 16, 3, 1)
+    fastconv.conv2d(x, w, padding=1, algorithm="tune")
+    _, chosen = the_choice()
+    good = tmp_path / "good.json"
+    fastconv.save_tuned_algorithms(good)
+    fastconv.clear_tuned_algorithms()
+    text = good.read_text()
+    cases = {
+        "notjson.json": "{",
+        "other.json": '{"format": "something else", "version": 1, "choices": []}',
+        "version.json": text.replace('"version": 1', '"version": 99'),
+        "algorithm.json": text.replace(f'"algorithm": "{chosen}"', '"algorithm": "im2col"'),
+        "inapplicable.json": text.replace(f'"algorithm": "{chosen}"',
+                                          '"algorithm": "gemm1x1"'),
+        "malformed.json": text.replace('"groups": 1', '"groups": "one"'),
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(ValueError, match=name):
+            fastconv.load_tuned_algorithms(path)
+        assert fastconv.tuned_algorithms() == {}
+    assert fastconv.load_tuned_algorithms(good) == 1
