@@ -402,7 +402,8 @@ def main():
           "share of the CPUs other processes used while the cell was timed (the worst pair; "
           "above a few %, distrust it)."]),
         ("Latency ratios", ["N", "thr", "fastconv/ORT", f"target <= {ORT_TARGET:.2f}",
-                            "fastconv tune/ORT", "fastconv/torch CL", "fastconv/torch CL jit", "fastconv/torch NCHW"],
+                            "fastconv tune/ORT", "fastconv/torch CL", "fastconv/torch CL jit",
+                            "fastconv/torch NCHW"],
          ratio_rows,
          ["fastconv's latency over the other's, of best / of median: < 1 means fastconv is "
           "faster.  fastconv/ORT is the median over the pairs of each pair's ratio (the two "
@@ -411,8 +412,7 @@ def main():
     ]
     if error_rows:
         sections.append(("Logits vs torch NCHW", ["N", "thr", "fastconv", "fastconv tune",
-                                                  "torch CL",
-                                                  "torch CL jit", "ORT"], error_rows,
+                                                  "torch CL", "torch CL jit", "ORT"], error_rows,
                          [f"max |logits - torch NCHW| / max |torch NCHW| (FAIL above "
                           f"{TOLERANCE:g}); top-1 agreement shown when not 100%."]))
     for section in sections:

@@ -109,9 +109,10 @@ def load_tuned_algorithms(path):
                          f"version {_FILE_VERSION}")
     loaded = {}
     for i, entry in enumerate(data["choices"]):
-        problem, algorithm = _problem_from_json(entry), entry.get("algorithm")
+        problem = _problem_from_json(entry)
         if problem is None:
             raise ValueError(f"{path}: choice {i} is malformed: {entry!r}")
+        algorithm = entry.get("algorithm")
         geo = _Geometry(problem.kernel, problem.stride, problem.dilation, problem.pad_before,
                         problem.out_hw)
         reason = ("" if algorithm in _TUNE_CANDIDATES else f"unknown algorithm {algorithm!r}")

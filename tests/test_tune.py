@@ -292,3 +292,12 @@ def test_loading_a_bad_file_names_it_and_loads_nothing(tmp_path):
             fastconv.load_tuned_algorithms(path)
         assert fastconv.tuned_algorithms() == {}
     assert fastconv.load_tuned_algorithms(good) == 1
+
+
+@pytest.mark.parametrize("choices", ['[1]', '[{"algorithm": "implicit"}]', '["x"]'])
+def test_loading_entries_that_are_not_choices(tmp_path, choices):
+    path = tmp_path / "odd.json"
+    path.write_text('{"format": "fastconv tuned algorithms", "version": 1, "choices": '
+                    + choices + '}')
+    with pytest.raises(ValueError, match="choice 0 is malformed"):
+        fastconv.load_tuned_algorithms(path)
