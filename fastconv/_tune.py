@@ -182,7 +182,7 @@ def choose(problem, candidates, preferred, run):
             quickest = min(second.values())
             candidates = tuple(a for a in candidates
                                if a == preferred or second[a] < HOPELESS * quickest)
-            repeats = {a: min(MAX_REPEATS, max(1, int(SAMPLE_SECONDS / second[a])))
+            repeats = {a: min(MAX_REPEATS, max(1, int(SAMPLE_SECONDS / max(second[a], 1e-9))))
                        for a in candidates}
         if len(candidates) == 1:
             choice = preferred
