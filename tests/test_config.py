@@ -279,6 +279,7 @@ def test_threadpoolctl_openmp_limit_applies():
 
 def test_public_api():
     for name in ("sgemm", "dgemm", "matmul", "show_config", "get_num_threads",
-                 "set_num_threads", "__version__"):
+                 "set_num_threads", "__version__", "tuned_algorithms", "clear_tuned_algorithms",
+                 "save_tuned_algorithms", "load_tuned_algorithms"):
         assert name in fastconv.__all__ and hasattr(fastconv, name)
     assert isinstance(fastconv.__version__, str) and fastconv.__version__
