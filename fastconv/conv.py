@@ -982,10 +982,10 @@ class PackedConv2d:
         if algorithm == "tune":
             algorithm = _tuned_algorithm(x, self._w2d, o["groups"], c.geo, self.bias,
                                          activation, self._packed, residual)
-            if algorithm not in self._tuned:
-                # Tuning packed the weights for every candidate; keep the
-                # packs of the algorithms chosen for some input shape only.
-                self._tuned.add(algorithm)
+            # Tuning (of this input shape, or another) packed the weights for
+            # every candidate; keep the packs of the algorithms chosen.
+            self._tuned.add(algorithm)
+            if any(k[1] not in self._tuned for k in self._packs):
                 self._packs = {k: v for k, v in self._packs.items() if k[1] in self._tuned}
         y = _forward(x, self._w2d, o["groups"], c.geo, self.bias, algorithm, activation,
                      self._packed, residual)

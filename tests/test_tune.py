@@ -132,6 +132,11 @@ def test_packed_tune_keeps_the_chosen_packs(problem):
     forced = fastconv.PackedConv2d(w, b, **kw, algorithm=algorithm)
     np.testing.assert_array_equal(y, forced(x))
     np.testing.assert_array_equal(layer(x), y)      # the second call, from the cache
+    # another input shape is tuned again, and again only the chosen packs stay
+    layer(x[:, 1:])
+    chosen = set(fastconv.tuned_algorithms().values())
+    assert len(fastconv.tuned_algorithms()) == 2
+    assert {k[1] for k in layer._packs} <= chosen
 
 
 class _Clock:
