@@ -337,9 +337,11 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
 def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
     """Per-call filters for at most 8 tiles on AVX-512 (winograd_few_nogil:
     the transformed filters never stored, each row of points made per group
-    of 4 tiles next to its products) against the fused path (the same sums in the same order)
-    and against float64 torch, forward with bias and relu6 and the input
-    gradient (the flipped weight: C and OC swap), on 1 and 2 threads."""
+    of 4 tiles next to its products) against the fused path (the same sums in the same order,
+    but with G's rows scaled, FC_WINO_G_SCALED: a rounding apart per term, up to 1.6e-5 of
+    the largest value in float32, where relu6 caps it at 6) and against float64 torch,
+    forward with bias and relu6 and the input gradient (the flipped weight: C and OC swap),
+    on 1 and 2 threads."""
     rng = np.random.default_rng(C * OC + H)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
@@ -349,7 +351,7 @@ def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
     flipped = fastconv.conv._flipped_geometry(geo, (H, W))
     previous_threads = fastconv.get_num_threads()
     request.addfinalizer(lambda: fastconv.set_num_threads(previous_threads))
-    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    rtol = 5e-5 if dtype == np.float32 else 1e-12
     with fastconv._dispatch.use_isa(isa) as kernels:
         previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
         previous_few = kernels.set_winograd_few_tiles(8)

@@ -67,6 +67,8 @@ cdef extern from "winograd_kernel.h":
         float* tb, Py_ssize_t ldi) noexcept nogil
     void fc_wino_gcols_rows_f32(Py_ssize_t n, const float* w, Py_ssize_t rsw, Py_ssize_t C,
         float* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_scale_vt_f32(Py_ssize_t n, int i, float* vt) noexcept nogil
+    void fc_wino_scale_vt_f64(Py_ssize_t n, int i, double* vt) noexcept nogil
     void fc_wino_few_f32(Py_ssize_t n, const float* tb, const float* vt, float* m,
         Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     void fc_wino_gcols_f64(Py_ssize_t n, const double* w, Py_ssize_t ts, Py_ssize_t tc,
@@ -555,7 +557,7 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # fc_wino_few), in groups of Q = WINO_FEW_TILES (the last padded with
     # zero tiles).  V of every tile first, group by group (group, point,
     # tile, c), then regrouped per group and row i of points as vt[c][j][q]
-    # (C x 6Q); then each task, one NR panel of output channels, takes a
+    # (C x 6Q) and scaled to D V D (the filters' scaled transform); then each task, one NR panel of output channels, takes a
     # vector of output channels and a k-block at a time: the column half of
     # their filters' transform into tb (per thread), then each group's rows
     # of points into M (point, tile, OC).
@@ -607,6 +609,10 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
             else:
                 fc_transpose_block_f64(r0, r0 + TB, c0, min(C, c0 + TB), vrow, ldv,
                                        vt + gi * svt, 6 * Q)
+        if real is float:
+            fc_wino_scale_vt_f32(C, gi % 6, vt + gi * svt)
+        else:
+            fc_wino_scale_vt_f64(C, gi % 6, vt + gi * svt)
     for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
         oc0 = jp * NR
         width = min(NR, OC - oc0)

@@ -59,6 +59,26 @@
         r[5] = g[2];                                                            \
     } while (0)
 
+/* r[0..5] = D^-1 G g[0..2], D = diag(fc_wino_g_scale): G's rows divided by
+ * their leading entries, (1, +-3/2, 9/4) and (1, +-2/3, 4/9), so that each
+ * +- pair costs three FMAs, not five operations.  U' = D^-1 U D^-1, and
+ * U . V = U' . (D V D): whoever multiplies by U' scales V instead, once
+ * per tile, where U is made once per (input, output) channel pair (the
+ * few-tile path, whose filters are transformed in every call). */
+#define FC_WINO_G_SCALED(T, g, r)                                               \
+    do {                                                                        \
+        __typeof__(g[0]) a_ = g[0] + (T)2.25 * g[2];                            \
+        __typeof__(g[0]) c_ = g[0] + (T)(4.0 / 9) * g[2];                       \
+        r[0] = g[0];                                                            \
+        r[1] = a_ + (T)1.5 * g[1];                                              \
+        r[2] = a_ - (T)1.5 * g[1];                                              \
+        r[3] = c_ + (T)(2.0 / 3) * g[1];                                        \
+        r[4] = c_ - (T)(2.0 / 3) * g[1];                                        \
+        r[5] = g[2];                                                            \
+    } while (0)
+static const double fc_wino_g_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
+                                          -81.0 / 130, 1.0};
+
 /* r[0..3] = A^T m[0..5] */
 #define FC_WINO_AT(T, m, r)                                                     \
     do {                                                                        \
@@ -260,19 +280,22 @@
     }
 
 /* F(4x4) for few tiles with filters transformed per call (a 7x7 image at
- * batch 1 has 4): each point of U = G g G^T would be used by that few rows
- * of V only, so it is never stored; the column half, G g (6 x 3 per
- * filter), is, and each row of points is finished in registers next to the
- * products that use it, once per group of FC_WINO_FEW_TILES tiles.
+ * batch 1 has 4): each point of U' = D^-1 G g G^T D^-1 (FC_WINO_G_SCALED)
+ * would be used by that few rows of V only, so it is never stored; the
+ * column half, D^-1 G g (6 x 3 per filter), is, and each row of points is
+ * finished in registers next to the products that use it, once per group
+ * of FC_WINO_FEW_TILES tiles.
  *
- * fc_wino_gcols: G g of n input channels of VL output channels (tap t of
+ * fc_wino_scale_vt: D V D, for n channels of row i of a group's V as
+ * fc_wino_few reads it (below).
+ * fc_wino_gcols: D^-1 G g of n input channels of VL output channels (tap t of
  * channel c at w + c*tc + t*ts, the output channels contiguous): row i,
  * column s of channel c at tb + i*ldi + (c*3 + s)*VL.
  * fc_wino_gcols_rows: the same from VL rows of a (OC x 9*C) OHWI weight
  * (channel c of tap t of row o at w + o*rsw + t*C + c), transposed through
  * an L1 block of FC_TB channels at a time.
- * fc_wino_few: row i's six points U_ij (one 1-D transform of tb's row)
- * times the V of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of tile
+ * fc_wino_few: row i's six points U'_ij (one 1-D transform of tb's row)
+ * times the D V D of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of tile
  * q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
  * contiguous, so that one pointer walks them all: 24 row pointers ran out
  * of registers and reloaded their offsets from the stack), added into
@@ -280,6 +303,16 @@
 enum { FC_WINO_FEW_TILES = 4 };
 
 #define FC_DEFINE_WINOGRAD_FEW(SUFFIX, T)                                       \
+    static void fc_wino_scale_vt_##SUFFIX(ptrdiff_t n, int i, T *vt)            \
+    {                                                                           \
+        enum { Q = FC_WINO_FEW_TILES };                                         \
+        T s_[6 * Q];                                                            \
+        for (int j = 0; j < 6 * Q; j++)                                         \
+            s_[j] = (T)(fc_wino_g_scale[i] * fc_wino_g_scale[j / Q]);           \
+        for (ptrdiff_t c = 0; c < n; c++)                                       \
+            FC_UNROLL for (int j = 0; j < 6 * Q; j++) vt[c * 6 * Q + j] *= s_[j]; \
+    }                                                                           \
+                                                                                \
     static inline void fc_wino_gcols_##SUFFIX(                                  \
         ptrdiff_t n, const T *w, ptrdiff_t ts, ptrdiff_t tc, T *restrict tb,    \
         ptrdiff_t ldi)                                                          \
@@ -292,7 +325,7 @@ enum { FC_WINO_FEW_TILES = 4 };
                 memcpy(&g_[t / 3][t % 3], w + c * tc + t * ts, sizeof(V));      \
             FC_UNROLL for (int s = 0; s < 3; s++) {                             \
                 FC_UNROLL for (int r = 0; r < 3; r++) col_[r] = g_[r][s];       \
-                FC_WINO_G(T, col_, out_);                                       \
+                FC_WINO_G_SCALED(T, col_, out_);                                \
                 FC_UNROLL for (int i = 0; i < 6; i++)                           \
                     memcpy(tb + i * ldi + (c * 3 + s) * VL, &out_[i],           \
                            sizeof(V));                                          \
@@ -338,7 +371,7 @@ enum { FC_WINO_FEW_TILES = 4 };
             V t_[3], u_[6];                                                     \
             FC_UNROLL for (int s = 0; s < 3; s++)                               \
                 memcpy(&t_[s], tb + (c * 3 + s) * VL, sizeof(V));               \
-            FC_WINO_G(T, t_, u_);                                               \
+            FC_WINO_G_SCALED(T, t_, u_);                                        \
             FC_UNROLL for (int j = 0; j < 6; j++)                               \
                 FC_UNROLL for (int q = 0; q < Q; q++) {                         \
                     T x_;                                                       \
