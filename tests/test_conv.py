@@ -1378,7 +1378,10 @@ def test_weight_gradient_in_either_operand_order(isa, N, H, C, OC, k, s, p, chun
     """The weight gradient puts whichever of dy and the patch matrix fits
     the GEMM better on its left (conv_frame grad_weight_patches_left); both
     orders, with threads splitting chunks of patch rows (one panel per
-    chunk) or the patch columns (one chunk), must agree with torch."""
+    chunk) or the patch columns (one chunk, or, for 64 rows of 864 columns
+    in one-panel chunks on 2 threads, six: with dy on the left they are
+    summed straight into dw, the first stored over it), must agree with
+    torch."""
     if chunks == "one panel":
         one_panel_chunks(request)
     previous = fastconv.get_num_threads()

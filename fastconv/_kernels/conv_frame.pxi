@@ -847,9 +847,11 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
 cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ssize_t j1,
                             const real* dy, Py_ssize_t rsdy,
                             const real* patches, Py_ssize_t ld, bint patches_left,
-                            real* bpack, real* acc, Py_ssize_t acc_ld) noexcept nogil:
+                            real* bpack, real* acc, Py_ssize_t acc_ld,
+                            bint overwrite=False) noexcept nogil:
     # One thread's product over rows 0..rows of a chunk, for the patch
-    # columns j0..j1, KC rows at a time; either orientation reads its left
+    # columns j0..j1, KC rows at a time, added into acc (or, overwrite,
+    # stored over it by the first KC rows: acc need not be zeroed); either orientation reads its left
     # operand in place, k-major (fc_kmajor_kernel), and packs the right one,
     # or reads it in place too where its rows are narrow (b_in_place_ok, as
     # gemm_nogil does).  dy's rows so, on the right of the patches: Zen 5,
@@ -863,6 +865,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t KC = GRAD_W_KC_F32 if real is float else D_KC
     cdef Py_ssize_t pb, pc, kc, next_kc
+    cdef real beta
     # The left operand (k-major: mc values a row, rows lda apart), the
     # right one (ncols values a row, rows rsb apart) and the result.
     cdef const real* a = patches + j0 if patches_left else dy
@@ -881,14 +884,15 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
         pc = pb * KC
         kc = min(KC, rows - pc)
         next_kc = min(KC, rows - pc - kc)
+        beta = 0 if overwrite and pb == 0 else 1
         if in_place:
             macro_kernel_ld(mc, ncols, kc, 1, 0, cdiv(ncols, NR), a + pc * lda, 1, lda,
-                            b + pc * rsb, c, acc_ld, 1, 1, 1, True, NULL, ACT_NONE, False,
+                            b + pc * rsb, c, acc_ld, 1, 1, beta, True, NULL, ACT_NONE, False,
                             next_kc, False, rsb)
         else:
             pack_b_rows(kc, ncols, b + pc * rsb, rsb, bpack)
             macro_kernel(mc, ncols, kc, 0, cdiv(ncols, NR), a + pc * lda, 1, lda, bpack, c,
-                         acc_ld, 1, 1, 1, True, NULL, ACT_NONE, next_kc)
+                         acc_ld, 1, 1, beta, True, NULL, ACT_NONE, next_kc)
 
 
 cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K,
@@ -983,19 +987,33 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
         # @28 b8 424 vs 357, 512->2048 @7 b1 355 vs 286).
         return gemm_nogil(OC, K, M, 1, dy, 1, rsdy, x, xs.w, 1, 0, dw, rsdw, 1, NULL,
                           ACT_NONE, max_threads)
-    # acc: OC x K, or K x OC with the patches on the left.
-    cdef Py_ssize_t acc_ld = OC if left else K
+    # acc: OC x K, or K x OC with the patches on the left.  With the
+    # threads splitting dw's columns and dy on the left, dw itself, the
+    # first chunk stored over it: a separate accumulator (malloc'd per
+    # call) cost a memset and a copy, two more passes over an OC x K that a
+    # small image's shallow product leaves memory-bound, and its time
+    # swung 2.5x from process to process.  Zen 4, 2 threads, the weight
+    # gradient alone, processes alternating, best ms, accumulator -> dw:
+    # b1 3x3 512->512 @7 1.85-4.67 -> 1.34, 1x1 2048->512 @7 0.81 -> 0.61,
+    # 3x3/2 256->512 @14 0.84-2.21 -> 0.69, 1x1/2 1024->2048 @14 1.72-4.65
+    # -> 1.33; b8 512->512 @7 10.1-13.0 -> 9.5-9.9, 2048->512 4.1-5.9 ->
+    # 4.4; but 1x1/2 1024->2048 @14 b8 8.7-8.8 -> 9.1-9.4 (dw's pages first
+    # touched inside the product).
+    cdef bint into_dw = not split_chunks and not left
+    cdef Py_ssize_t acc_ld = rsdw if into_dw else (OC if left else K)
     cdef Py_ssize_t bpack_size = min(KC, R) * cdiv(OC if left else K, NR) * NR
-    cdef Py_ssize_t n_acc = nt if split_chunks else 1
+    cdef Py_ssize_t n_acc = 0 if into_dw else (nt if split_chunks else 1)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef real* bpacks = <real*>aligned_malloc(nt * bpack_size * sizeof(real))
-    cdef real* accs = <real*>aligned_malloc(n_acc * OC * K * sizeof(real))
+    cdef real* accs = dw if into_dw else <real*>aligned_malloc(n_acc * OC * K * sizeof(real))
     if bufs == NULL or bpacks == NULL or accs == NULL:
         aligned_free(bufs)
         aligned_free(bpacks)
-        aligned_free(accs)
+        if not into_dw:
+            aligned_free(accs)
         return -1
-    memset(accs, 0, n_acc * OC * K * sizeof(real))
+    if not into_dw:
+        memset(accs, 0, n_acc * OC * K * sizeof(real))
     cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc, step
     cdef real* acc
     cdef const real* patches
@@ -1023,7 +1041,8 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     m1 = min(M, m0 + R)
                     patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + t * R * ld, ld)
                     grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy, patches, ldp,
-                                      left, bpacks + t * bpack_size, accs, acc_ld)
+                                      left, bpacks + t * bpack_size, accs, acc_ld,
+                                      into_dw and chunk == 0)
     cdef Py_ssize_t TB = 64 // sizeof(real), ib, jb
     if left:
         # The accumulators summed into the first one, in thread order, row
@@ -1044,7 +1063,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                 else:
                     fc_transpose_block_f64(ib * TB, min(K, ib * TB + TB), jb * TB,
                                            min(OC, jb * TB + TB), accs, OC, dw, rsdw)
-    else:
+    elif not into_dw:
         for oc in prange(OC, num_threads=nt, schedule="static"):
             for i in range(K):
                 dw[oc * rsdw + i] = accs[oc * K + i]
@@ -1054,7 +1073,8 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     dw[oc * rsdw + i] += acc[i]
     aligned_free(bufs)
     aligned_free(bpacks)
-    aligned_free(accs)
+    if not into_dw:
+        aligned_free(accs)
     return 0
 
 
