@@ -851,11 +851,12 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             bint overwrite=False) noexcept nogil:
     # One thread's product over rows 0..rows of a chunk, for the patch
     # columns j0..j1, KC rows at a time, added into acc (or, overwrite,
-    # stored over it by the first KC rows: acc need not be zeroed); either orientation reads its left
-    # operand in place, k-major (fc_kmajor_kernel), and packs the right one,
-    # or reads it in place too where its rows are narrow (b_in_place_ok, as
-    # gemm_nogil does).  dy's rows so, on the right of the patches: Zen 5,
-    # 2 threads, b8, alternating processes, best GFLOPS 3x3/2 64->128 @56
+    # stored over it by the first KC rows: acc need not be zeroed); either
+    # orientation reads its left operand in place, k-major
+    # (fc_kmajor_kernel), and packs the right one, or reads it in place too
+    # where its rows are narrow (b_in_place_ok, as gemm_nogil does).  dy's
+    # rows so, on the right of the patches: Zen 5, 2 threads, b8,
+    # alternating processes, best GFLOPS 3x3/2 64->128 @56
     # 377-397 -> 415-449, 3x3 64->64 @56 388-405 -> 409-436, 512->512 @7
     # 366-383 -> 387-399, 1x1 256->64 @56 +3 %, 128->128 @28 and 256->256
     # @14 within 1-3 %; the patch rows on the right of dy, see

@@ -288,15 +288,15 @@ static const double fc_wino_g_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
  *
  * fc_wino_scale_vt: D V D, for n channels of row i of a group's V as
  * fc_wino_few reads it (below).
- * fc_wino_gcols: D^-1 G g of n input channels of VL output channels (tap t of
- * channel c at w + c*tc + t*ts, the output channels contiguous): row i,
- * column s of channel c at tb + i*ldi + (c*3 + s)*VL.
+ * fc_wino_gcols: D^-1 G g of n input channels of VL output channels (tap
+ * t of channel c at w + c*tc + t*ts, the output channels contiguous): row
+ * i, column s of channel c at tb + i*ldi + (c*3 + s)*VL.
  * fc_wino_gcols_rows: the same from VL rows of a (OC x 9*C) OHWI weight
  * (channel c of tap t of row o at w + o*rsw + t*C + c), transposed through
  * an L1 block of FC_TB channels at a time.
  * fc_wino_few: row i's six points U'_ij (one 1-D transform of tb's row)
- * times the D V D of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of tile
- * q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
+ * times the D V D of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of
+ * tile q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
  * contiguous, so that one pointer walks them all: 24 row pointers ran out
  * of registers and reloaded their offsets from the stack), added into
  * m[j*sm + q*ldm] when add, else stored there. */
