@@ -1400,6 +1400,39 @@ def test_weight_gradient_in_either_operand_order(isa, N, H, C, OC, k, s, p, chun
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("N, H, C, OC, k, s, p", [
+    (1, 8, 96, 48, 3, 1, 1),     # dy on the left: one chunk, or six (one panel a chunk)
+    (1, 7, 64, 32, 3, 1, 1),     # 49 pixels, a 7x7 image at batch 1
+    (2, 8, 600, 40, 1, 1, 0),    # 1x1, the image read in place
+    (2, 12, 40, 24, 1, 2, 0),    # 1x1/2, patch rows built
+    (4, 24, 16, 64, 3, 1, 1),    # the patches on the left, chunks shared by the threads
+    (4, 24, 32, 96, 1, 1, 0),    # 1x1, more output than input channels: one GEMM
+])
+@pytest.mark.parametrize("chunks", ["default", "one panel"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_kernel_overwrites_dw(isa, N, H, C, OC, k, s, p, chunks, threads,
+                                              dtype, request):
+    """The weight-gradient kernel's contract is dw overwritten, whatever it
+    held: given a dw of NaNs, every path (a GEMM, chunks summed into
+    per-thread accumulators, or straight into dw, the first stored over it)
+    must leave none and agree with torch."""
+    if chunks == "one panel":
+        one_panel_chunks(request)
+    rng = np.random.default_rng(C * OC + k + s)
+    x = rng.standard_normal((N, H, H, C)).astype(dtype)
+    w = rng.standard_normal((OC, k, k, C)).astype(dtype)
+    OH = (H + 2 * p - k) // s + 1
+    dy = rng.standard_normal((N, OH, OH, OC)).astype(dtype)
+    _, _, ref_gw, _ = torch_grads(x, w, np.zeros(OC, dtype), dy, stride=s, padding=p)
+    dw = np.full((OC, k * k * C), np.nan, dtype)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        kernels.conv2d_grad_weight(x, dy.reshape(-1, OC), dw, (k, k), (s, s), (1, 1), (p, p),
+                                   (OH, OH), threads)
+    assert_close(dw.reshape(OC, k, k, C), ref_gw, dtype, N * OH * OH, "grad_weight")
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("chunks", ["default", "one panel"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k, C, OC", [(1, 64, 192), (3, 32, 64)])
