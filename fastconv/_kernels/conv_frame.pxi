@@ -1006,15 +1006,16 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t n_acc = 0 if into_dw else (nt if split_chunks else 1)
     cdef real* bufs = <real*>aligned_malloc(nt * R * ld * sizeof(real))
     cdef real* bpacks = <real*>aligned_malloc(nt * bpack_size * sizeof(real))
-    cdef real* accs = dw if into_dw else <real*>aligned_malloc(n_acc * OC * K * sizeof(real))
+    cdef real* own_accs = NULL if into_dw else <real*>aligned_malloc(
+        n_acc * OC * K * sizeof(real))
+    cdef real* accs = dw if into_dw else own_accs
     if bufs == NULL or bpacks == NULL or accs == NULL:
         aligned_free(bufs)
         aligned_free(bpacks)
-        if not into_dw:
-            aligned_free(accs)
+        aligned_free(own_accs)
         return -1
-    if not into_dw:
-        memset(accs, 0, n_acc * OC * K * sizeof(real))
+    if own_accs != NULL:
+        memset(own_accs, 0, n_acc * OC * K * sizeof(real))
     cdef Py_ssize_t t, chunk, m0, m1, tid, j0, j1, i, oc, step
     cdef real* acc
     cdef const real* patches
@@ -1074,8 +1075,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     dw[oc * rsdw + i] += acc[i]
     aligned_free(bufs)
     aligned_free(bpacks)
-    if not into_dw:
-        aligned_free(accs)
+    aligned_free(own_accs)
     return 0
 
 
