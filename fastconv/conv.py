@@ -264,7 +264,22 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     return tiles >= 16 * max(1.0, (Cg * OCg) ** 0.5 / 256)
 
 
-def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
+def _short_m_pays(groups, Cg, OCg, pixels, prepacked, dtype):
+    """Whether a 1x1 layer (per call) is faster as gemm1x1, whose GEMM runs
+    a short image (at most 49 pixels: 7x7 at batch 1) by the short-M
+    kernels (_kernels/short_m_kernel.h: the weights read in place, the
+    image packed), than by implicit GEMM, which packs the weights.  Zen 4,
+    2 threads, 7x7 batch 1, best ms implicit -> gemm1x1: 2048->512 0.553 ->
+    0.491, 512->2048 0.534 -> 0.498, 1024->2048 1.08 -> 0.95, 512->512
+    0.151 -> 0.140; ties at 1024->256 and 256->1024, a loss at 2048->64
+    (0.092 -> 0.101).  Prepacked weights cost implicit GEMM no packing:
+    2048->512 0.474 ms, ahead."""
+    return (groups == 1 and not prepacked and OCg >= 512
+            and _dispatch.kernels.short_m_gemm_applies(pixels, OCg, Cg, dtype))
+
+
+def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
+                      dtype="float32"):
     """The forward algorithm: "auto" picks by shape; a forced one must apply.
 
     - "direct": depthwise (groups == C > 1) or narrow groups (2, 4, 8 or 16
@@ -275,7 +290,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
       groups of more than 64 output channels on images of at most 4096
       pixels or with more input channels than the GEMM's k-block, and where
       a group has more than twice as many input channels as the image has
-      pixels);
+      pixels; but gemm1x1 again, per call, for images of at most 49 pixels
+      and 512 or more channels in and out, see _short_m_pays);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
       prepacked filters and few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer;
@@ -312,6 +328,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False):
             # or not at all once prepacked (2048->512 @7 b1 0.74 -> 0.58 ms
             # on Zen 4).
             Cg, OCg, pixels = C // groups, OC // groups, N * in_hw[0] * in_hw[1]
+            if _short_m_pays(groups, Cg, OCg, pixels, prepacked, dtype):
+                return "gemm1x1"
             gemm_kc = _dispatch.kernels.BLOCKING_F32["KC"]
             if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
@@ -352,7 +370,8 @@ def _tuned_algorithm(x, w2d, groups, geo, bias, activation, packed, residual):
     N, _, _, C = x.shape
     OC = w2d.shape[0]
     prepacked = packed is not None
-    auto = _choose_algorithm("auto", groups, C, OC, N, geo, x.shape[1:3], prepacked)
+    auto = _choose_algorithm("auto", groups, C, OC, N, geo, x.shape[1:3], prepacked,
+                             x.dtype.name)
     if x.size == 0 or N * geo.out_hw[0] * geo.out_hw[1] * OC == 0:
         return auto     # nothing to compute, nothing to time
     problem = _tune.Problem(_dispatch.kernels.ISA, x.dtype.str, x.shape, w2d.shape, groups,
@@ -376,7 +395,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     OC, K = w2d.shape
     OH, OW = geo.out_hw
     algorithm = _choose_algorithm(algorithm, groups, C, OC, N, geo, x.shape[1:3],
-                                  packed is not None)
+                                  packed is not None, x.dtype.name)
     y = empty_aligned((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y

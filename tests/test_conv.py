@@ -1641,8 +1641,11 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
 
 
 @pytest.mark.parametrize("N, H, C, OC, prepacked, expected", [
-    (1, 7, 2048, 512, False, "implicit"),    # 2048 > 2 x 49 pixels
-    (1, 7, 2048, 512, True, "implicit"),
+    (1, 7, 2048, 512, False, "short-m"),     # 49 pixels, 512+ channels in and out
+    (1, 7, 512, 2048, False, "short-m"),
+    (1, 7, 1024, 256, False, "implicit"),    # 256 output channels: a tie; 1024 > 2 x 49
+    (2, 7, 2048, 512, False, "implicit"),    # 98 pixels
+    (1, 7, 2048, 512, True, "implicit"),     # prepacked: implicit GEMM packs nothing
     (8, 7, 2048, 512, True, "implicit"),     # 2048 > 2 x 392
     (1, 14, 256, 1024, False, "implicit"),   # over 64 output channels, 196 pixels
     (1, 56, 64, 256, True, "implicit"),      # 3136 pixels
@@ -1653,8 +1656,18 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
     (1, 7, 2048, 64, False, "implicit"),     # 2048 > 2 x 49 pixels
 ])
 def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
+    """"short-m": gemm1x1, whose GEMM runs the short-M kernels, on the
+    builds that have them (AVX-512; float32, and float64 while A^T packed
+    fits, not at 2048 input channels); implicit GEMM on the others."""
     geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, H))
-    assert fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked) == expected
+    for dtype in ("float32", "float64"):
+        want = expected
+        if expected == "short-m":
+            short = (fastconv._dispatch.kernels.ISA == "avx512"
+                     and (dtype == "float32" or C < 2048))
+            want = "gemm1x1" if short else "implicit"
+        got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked, dtype)
+        assert got == want, dtype
 
 
 def test_packed_weights_of_another_layer_are_refused():

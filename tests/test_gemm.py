@@ -619,6 +619,61 @@ def test_paired_panels(isa, nt, streamed):
                         assert np.all(np.abs(out - ref) <= bound), (M, N, K)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("nt", [1, 2])
+def test_short_m_path(isa, dtype, nt):
+    """A short A times a transposed row-major B (x @ W.T, a 1x1
+    convolution's product on a 7x7 image): the AVX-512 build runs it by the
+    short-M kernels, W's rows read in place and A^T packed, the last row of
+    A riding as dot products where the rows before it fill whole vectors
+    (M = 17, 33, 49 float32; 9, 17, ..., 49 float64).  Every vector count,
+    with and without that extra row; K with and without a tail past the
+    last vector (512, 521); N a multiple of the tile's rows and not
+    (M..., 61, 515); A's rows in place 3 KiB apart; alpha/beta on C (C
+    also column-major); bias and relu/relu6 fused; beta 0 over a C of
+    NaN; against float64 and against the same product with the path
+    turned off.  Other builds run the GEMM frame for the same calls."""
+    rng = rng_for("short-m", isa, dtype_id(dtype), nt)
+    fastconv.set_num_threads(nt)
+    f = GEMM[dtype]
+    vl = 64 // np.dtype(dtype).itemsize
+    rows = sorted({2, 3, vl - 1, vl, vl + 1, 2 * vl + 1, 31, 40, 47, 48, 49})
+    with _dispatch.use_isa(isa) as k:
+        for M in rows:
+            for K in (512, 521):
+                wide = randn(rng, (M, 768), dtype)
+                a = wide[:, :K]                        # rows in place, 3 KiB apart
+                for N in sorted({M, 61, 515}):
+                    w = randn(rng, (N, K), dtype)
+                    applies = k.short_m_gemm_applies(M, N, K, np.dtype(dtype).name)
+                    assert applies == (isa == "avx512"), (M, N, K)
+                    c = randn(rng, (M, N), dtype)
+                    for c_order in ("C", "F"):
+                        cc = np.array(c, order=c_order)
+                        got = f(0.75, a, w, -1.5, cc, trans_b=True, overwrite_c=True)
+                        check_gemm(got, 0.75, a, w.T, -1.5, c, dtype)
+                    nan_c = np.full((M, N), np.nan, dtype)
+                    got = f(1.0, a, w, 0.0, nan_c, trans_b=True)
+                    check_gemm(got, 1.0, a, w.T, 0.0, None, dtype)
+                    previous = k.set_short_m(False)
+                    try:
+                        frame = f(1.0, a, w, trans_b=True)
+                    finally:
+                        k.set_short_m(previous)
+                    np.testing.assert_allclose(got, frame, rtol=0,
+                                               atol=float(np.abs(frame).max()) * 1e-5
+                                               if dtype == np.float32 else 1e-11)
+                    bias = randn(rng, (N,), dtype)
+                    for act, hi in ((1, np.inf), (2, 6.0)):
+                        out = empty_aligned((M, N), dtype)
+                        k.gemm(1.0, a, w.T, 0.0, out, nt, bias, act)
+                        exact = a.astype(np.float64) @ w.T.astype(np.float64) + bias
+                        ref = np.clip(exact, 0, hi)
+                        scale = np.abs(a.astype(np.float64)) @ np.abs(w.T) + np.abs(bias)
+                        bound = np.finfo(dtype).eps * (4 * math.sqrt(K) + 4) * scale
+                        assert np.all(np.abs(out - ref) <= bound), (M, N, K, act)
+
+
 # ------------------------------------------------------------- threads
 
 THREAD_SHAPES = [

@@ -26,10 +26,17 @@ cdef extern from *:
        runs once per 64 output channels instead of per 32: see
        multiply_pixel_rows. */
     #define FC_S_PAIR_MR 6
+    /* Short-M products (short_m_kernel.h): 6 rows of W by 3 vectors of A
+       and the extra row, 18 + 6 accumulators. */
+    #define FC_S_SHORT_MR 6
+    #define FC_S_SHORT_NV 3
     #define FC_D_MR 14
     #define FC_D_NR 16
     #define FC_D_KC 256
     #define FC_D_NC 256
+    /* 3 rows by 6 vectors and the extra row: 18 + 3 accumulators. */
+    #define FC_D_SHORT_MR 3
+    #define FC_D_SHORT_NV 6
     """
 ISA_NAME = "avx512"
 include "gemm_frame.pxi"

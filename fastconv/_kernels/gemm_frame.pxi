@@ -95,6 +95,26 @@ cdef extern from "micro_kernel.h":
                            const double* bias, int act) noexcept nogil
     void fc_store_fence() noexcept nogil
 
+cdef extern from "short_m_kernel.h":
+    enum:
+        VBYTES "FC_VBYTES"
+        S_SHORT_MR "FC_S_SHORT_MR"
+        S_SHORT_NV "FC_S_SHORT_NV"
+        D_SHORT_MR "FC_D_SHORT_MR"
+        D_SHORT_NV "FC_D_SHORT_NV"
+    # C (M x N) = A @ W^T for M of at most nv vectors (+ the extra row):
+    # W's rows (ldw apart) read in place, A^T packed in at (see the header).
+    void fc_short_m_kernel_f32(int nv, int extra, Py_ssize_t K, const float* w,
+                               Py_ssize_t ldw, Py_ssize_t R, const float* at,
+                               const float* xe, Py_ssize_t M, float* c, Py_ssize_t rsc,
+                               Py_ssize_t csc, float alpha, float beta, const float* bias,
+                               int act) noexcept nogil
+    void fc_short_m_kernel_f64(int nv, int extra, Py_ssize_t K, const double* w,
+                               Py_ssize_t ldw, Py_ssize_t R, const double* at,
+                               const double* xe, Py_ssize_t M, double* c, Py_ssize_t rsc,
+                               Py_ssize_t csc, double alpha, double beta, const double* bias,
+                               int act) noexcept nogil
+
 ctypedef fused real:
     float
     double
@@ -131,6 +151,15 @@ cdef enum:
     # to an A.T view for B of at most this many bytes a row (b_in_place_ok;
     # 1 KiB rows, 256->256 @14, measured no better).
     B_IN_PLACE_MAX_BYTES = 512
+    # The short-M path's packed A^T stays within half an L2.  Its products
+    # are at least SHORT_M_MIN_K deep: each tile ends in a scalar
+    # transposed store of its R x M sums, which shallower ones do not pay
+    # for (Zen 4, 2 threads, 49 rows, best ms frame -> short-M: K x N 64 x
+    # 256 0.022 -> 0.028, 128 x 512 0.039 -> 0.044, 256 x 256 0.039 ->
+    # 0.041, 384 x 384 a tie; 512 x 256 0.076 -> 0.073, 512 x 512 0.145 ->
+    # 0.131, 2048 x 512 0.569 -> 0.485).
+    SHORT_M_MAX_AT_BYTES = 512 * 1024
+    SHORT_M_MIN_K = 512
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -183,6 +212,20 @@ def set_stream_bytes(Py_ssize_t nbytes):
     global stream_bytes
     previous = stream_bytes
     stream_bytes = max(0, nbytes)
+    return previous
+
+
+# Whether gemm takes the short-M path where it applies (short_m_rows).  A
+# variable so that tests and benchmarks can run the frame instead.
+cdef bint short_m_enabled = True
+
+
+def set_short_m(bint enabled):
+    """Turn the short-M path on or off (tests only: not thread-safe);
+    returns the previous setting."""
+    global short_m_enabled
+    previous = short_m_enabled
+    short_m_enabled = enabled
     return previous
 
 
@@ -732,6 +775,82 @@ cdef inline bint b_in_place_ok(Py_ssize_t N, Py_ssize_t rsb, real dtype_tag) noe
             and NR * <Py_ssize_t>sizeof(real) >= 128)
 
 
+cdef inline Py_ssize_t short_m_rows(real dtype_tag) noexcept nogil:
+    # The most rows of A the build's short-M kernels take: their vectors
+    # and the extra row (0: no such kernels in this build).
+    if real is float:
+        return S_SHORT_NV * (VBYTES // 4) + 1 if S_SHORT_MR > 0 else 0
+    else:
+        return D_SHORT_NV * (VBYTES // 8) + 1 if D_SHORT_MR > 0 else 0
+
+
+cdef inline bint short_m_applies(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                                 Py_ssize_t csa, Py_ssize_t rsb, real dtype_tag) noexcept nogil:
+    # A short A with contiguous rows times W^T with W's rows contiguous
+    # (B = W^T: unit row stride), where W outweighs A (N >= M), deep
+    # enough products (K >= SHORT_M_MIN_K), and A^T packed within half an
+    # L2 (the kernel has no K blocks).
+    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    return (short_m_enabled and 2 <= M <= short_m_rows(<real>0) and N >= M
+            and K >= SHORT_M_MIN_K and csa == 1 and rsb == 1
+            and K * cdiv(M, vl) * <Py_ssize_t>VBYTES <= SHORT_M_MAX_AT_BYTES)
+
+
+def short_m_gemm_applies(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, dtype):
+    """Whether gemm runs an (M x K) @ (K x N) product of row-major A and a
+    transposed row-major B (a 1x1 convolution's) by the short-M kernels."""
+    if dtype == "float32":
+        return short_m_applies(M, N, K, 1, 1, <float>0)
+    return short_m_applies(M, N, K, 1, 1, <double>0)
+
+
+cdef int gemm_short_m(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
+                      const real* a, Py_ssize_t rsa, const real* w, Py_ssize_t ldw,
+                      real beta, real* c, Py_ssize_t rsc, Py_ssize_t csc,
+                      const real* bias, int act, int max_threads) noexcept nogil:
+    # C = alpha * A @ W^T + beta * C (+ bias, act) by the short-M kernels
+    # (short_m_kernel.h): A^T packed (its row M - 1 rides as the extra row
+    # when the rows before it fill whole vectors), then tiles of the
+    # build's short MR rows of W dealt out to the threads.
+    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    cdef Py_ssize_t tb = 64 // sizeof(real)
+    cdef Py_ssize_t smr = S_SHORT_MR if real is float else D_SHORT_MR
+    cdef int extra = (M - 1) % vl == 0
+    cdef Py_ssize_t rows = M - extra
+    cdef int nv = <int>cdiv(rows, vl)
+    cdef Py_ssize_t ld = nv * vl
+    cdef int nt = threads_for(2.0 * M * N * K, max_threads)
+    cdef Py_ssize_t kb, k0, k1, ib, i0, k, m, t, n0
+    cdef real* at = <real*>aligned_malloc(K * ld * sizeof(real))
+    if at == NULL:
+        return -1
+    # A line of k a task: whole lines of A's rows in, whole lines of at out.
+    for kb in prange(cdiv(K, tb), num_threads=nt, schedule="static"):
+        k0 = kb * tb
+        k1 = min(K, k0 + tb)
+        for ib in range(cdiv(rows, tb)):
+            i0 = ib * tb
+            if real is float:
+                fc_transpose_block_f32(i0, min(rows, i0 + tb), k0, k1, a, rsa, at, ld)
+            else:
+                fc_transpose_block_f64(i0, min(rows, i0 + tb), k0, k1, a, rsa, at, ld)
+        for k in range(k0, k1):
+            for m in range(rows, ld):
+                at[k * ld + m] = 0
+    for t in prange(cdiv(N, smr), num_threads=nt, schedule="static"):
+        n0 = t * smr
+        if real is float:
+            fc_short_m_kernel_f32(nv, extra, K, w + n0 * ldw, ldw, min(smr, N - n0), at,
+                                  a + (M - 1) * rsa, M, c + n0 * csc, rsc, csc, alpha, beta,
+                                  NULL if bias == NULL else bias + n0, act)
+        else:
+            fc_short_m_kernel_f64(nv, extra, K, w + n0 * ldw, ldw, min(smr, N - n0), at,
+                                  a + (M - 1) * rsa, M, c + n0 * csc, rsc, csc, alpha, beta,
+                                  NULL if bias == NULL else bias + n0, act)
+    aligned_free(at)
+    return 0
+
+
 cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                     const real* a, Py_ssize_t rsa, Py_ssize_t csa,
                     const real* b, Py_ssize_t rsb, Py_ssize_t csb,
@@ -746,6 +865,9 @@ cdef int gemm_nogil(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     if M == 1:      # C's one row = B^T @ a[0, :]
         return gemv_nogil(N, K, alpha, b, csb, rsb, a, csa, beta, c, csc, bias, 1, act,
                           max_threads)
+    if short_m_applies(M, N, K, csa, rsb, <real>0):
+        return gemm_short_m(M, N, K, alpha, a, rsa, b, csb, beta, c, rsc, csc, bias, act,
+                            max_threads)
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef int nt = threads_for(2.0 * M * N * K, max_threads)

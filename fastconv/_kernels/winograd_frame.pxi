@@ -78,7 +78,6 @@ cdef extern from "winograd_kernel.h":
     void fc_wino_few_f64(Py_ssize_t n, const double* tb, const double* vt, double* m,
         Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     enum:
-        VBYTES "FC_VBYTES"
         WINO_FEW_TILES "FC_WINO_FEW_TILES"
 
 cdef enum:

@@ -1,0 +1,195 @@
+/* Short-M products: C (M x N) = A (M x K) @ W^T, with M at most
+ * FC_{S,D}_SHORT_NV vectors and one row (49 = 3 * 16 + 1 float32 rows: a
+ * 7x7 image at batch 1) and W (N x K) row-major: a 1x1 convolution's
+ * weights, or x @ W.T.
+ *
+ * The GEMM frame would pack W^T into NR-column panels, a transpose of the
+ * large operand on every call (fc_pack_bt_f32 was 14 % of the samples of
+ * 1x1 2048->512 @7 b1, for a product that reads each weight 49 times).
+ * Here the roles swap: C^T = W @ A^T.  W's rows are read in place as the
+ * broadcast operand (R rows a tile, as the frame reads A), and the small
+ * A is packed transposed: K rows of NV vectors, M's values zero-padded.  A
+ * tile is R x (NV * VL) accumulators along M, finished transposed into C.
+ *
+ * Row M - 1 of A can ride as the EXTRA row instead of a vector of its
+ * own: R more accumulators of dot products along k, of that row (read in
+ * place) with the lines of W's rows that the broadcasts bring into L1
+ * anyway, R FMAs per VL values of k.  So 49 rows cost three vectors, not
+ * four (Zen 4, 2 threads, a C prototype, 2048->512: 0.445 ms, with the
+ * packing of A 0.475, against 0.555 for the frame's implicit GEMM).
+ *
+ * The including module defines FC_VBYTES and, where the path is used,
+ * FC_S_SHORT_MR / FC_S_SHORT_NV (float32 rows of W a tile, vectors of A)
+ * and FC_D_SHORT_MR / FC_D_SHORT_NV (float64); 0 (the default) leaves the
+ * path out of that build.
+ */
+#ifndef FASTCONV_SHORT_M_KERNEL_H
+#define FASTCONV_SHORT_M_KERNEL_H
+
+#include "micro_kernel.h"
+
+#ifndef FC_S_SHORT_MR
+#define FC_S_SHORT_MR 0
+#define FC_S_SHORT_NV 0
+#endif
+#ifndef FC_D_SHORT_MR
+#define FC_D_SHORT_MR 0
+#define FC_D_SHORT_NV 0
+#endif
+
+/* C[m*rsc + i*csc] (m < M, i < R) = act(alpha * sum_k w[i*ldw + k] *
+ * A[m, k] + beta * C (beta 0: C not read) + bias[i]).  at: A^T packed, K
+ * rows of NV*VL values; xe: A's row M - 1, contiguous, when EXTRA (then
+ * at holds the rows before it).  Rows of the tile past R repeat row R - 1
+ * of W (their sums are dropped), so every tile runs the full-width body. */
+#define FC_DEFINE_SHORT_M_KERNEL(SUFFIX, T, MR, NV, EXTRA)                      \
+    static __attribute__((noinline)) void                                       \
+    fc_short_m_kernel_##SUFFIX##_##NV##_##EXTRA(                                \
+        ptrdiff_t K, const T *restrict w, ptrdiff_t ldw, ptrdiff_t R,           \
+        const T *restrict at, const T *restrict xe, ptrdiff_t M,                \
+        T *restrict c, ptrdiff_t rsc, ptrdiff_t csc, T alpha, T beta,           \
+        const T *restrict bias, int act)                                        \
+    {                                                                           \
+        typedef fc_vec_##SUFFIX VEC;                                            \
+        enum { VL = FC_VBYTES / sizeof(T) };                                    \
+        VEC acc[MR][NV], dot[MR];                                               \
+        FC_UNROLL for (int i = 0; i < (MR); i++) {                              \
+            dot[i] = (VEC){0};                                                  \
+            FC_UNROLL for (int j = 0; j < (NV); j++)                            \
+                acc[i][j] = (VEC){0};                                           \
+        }                                                                       \
+        /* Row i as a byte offset from row 0, which steps through k (the   \
+           addressing of the frame's micro-kernel). */                        \
+        const char *a = (const char *)w;                                        \
+        ptrdiff_t off[MR];                                                      \
+        FC_UNROLL for (int i = 0; i < (MR); i++)                                \
+            off[i] = (i < R ? i : R - 1) * ldw * (ptrdiff_t)sizeof(T);          \
+        ptrdiff_t k0 = 0;                                                       \
+        for (; k0 + VL <= K; k0 += VL) {                                        \
+            if (EXTRA) {                                                        \
+                VEC xv;                                                         \
+                memcpy(&xv, xe + k0, FC_VBYTES);                                \
+                FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
+                    VEC wv;                                                     \
+                    memcpy(&wv, a + off[i], FC_VBYTES);                         \
+                    dot[i] += wv * xv;                                          \
+                }                                                               \
+            }                                                                   \
+            FC_UNROLL for (int kk = 0; kk < VL; kk++) {                         \
+                VEC bv[NV];                                                     \
+                FC_UNROLL for (int j = 0; j < (NV); j++)                        \
+                    memcpy(&bv[j], at + j * VL, FC_VBYTES);                     \
+                FC_UNROLL for (int i = 0; i < (MR); i++) {                      \
+                    T wi;                                                       \
+                    memcpy(&wi, a + off[i] + kk * sizeof(T), sizeof(T));        \
+                    FC_UNROLL for (int j = 0; j < (NV); j++)                    \
+                        acc[i][j] += wi * bv[j];                                \
+                }                                                               \
+                at += (NV) * VL;                                                \
+            }                                                                   \
+            a += FC_VBYTES;                                                     \
+        }                                                                       \
+        T sum[MR][(NV) * VL + 1];                                               \
+        FC_UNROLL for (int i = 0; i < (MR); i++) {                              \
+            memcpy(sum[i], acc[i], sizeof acc[i]);                              \
+            T d = 0;                                                            \
+            for (int l = 0; l < VL; l++)                                        \
+                d += dot[i][l];                                                 \
+            sum[i][(NV) * VL] = d;                                              \
+        }                                                                       \
+        for (; k0 < K; k0++) {      /* the last K % VL values of k */          \
+            for (int i = 0; i < (MR); i++) {                                    \
+                T wi;                                                           \
+                memcpy(&wi, a + off[i], sizeof(T));                             \
+                for (int m = 0; m < (NV) * VL; m++)                             \
+                    sum[i][m] += wi * at[m];                                    \
+                if (EXTRA)                                                      \
+                    sum[i][(NV) * VL] += wi * xe[k0];                           \
+            }                                                                   \
+            at += (NV) * VL;                                                    \
+            a += sizeof(T);                                                     \
+        }                                                                       \
+        /* The extra row's sums sit right after the vectors' M - 1. */         \
+        if (EXTRA)                                                              \
+            for (int i = 0; i < (MR); i++)                                      \
+                sum[i][M - 1] = sum[i][(NV) * VL];                              \
+        for (ptrdiff_t m = 0; m < M; m++) {                                     \
+            T *crow = c + m * rsc;                                              \
+            for (ptrdiff_t i = 0; i < R; i++) {                                 \
+                T v = alpha * sum[i][m];                                        \
+                if (beta != 0)                                                  \
+                    v += beta * crow[i * csc];                                  \
+                if (bias)                                                       \
+                    v += bias[i];                                               \
+                if (act && v < 0)   /* a NaN compares false: stays NaN */      \
+                    v = 0;                                                      \
+                if (act == 2 && v > 6)                                          \
+                    v = 6;                                                      \
+                crow[i * csc] = v;                                              \
+            }                                                                   \
+        }                                                                       \
+    }
+
+#define FC_SHORT_M_CASE(SUFFIX, NV)                                             \
+    case 2 * (NV):                                                              \
+        fc_short_m_kernel_##SUFFIX##_##NV##_0(K, w, ldw, R, at, xe, M, c, rsc,  \
+                                              csc, alpha, beta, bias, act);     \
+        break;                                                                  \
+    case 2 * (NV) + 1:                                                          \
+        fc_short_m_kernel_##SUFFIX##_##NV##_1(K, w, ldw, R, at, xe, M, c, rsc,  \
+                                              csc, alpha, beta, bias, act);     \
+        break;
+
+#define FC_DEFINE_SHORT_M_DISPATCH(SUFFIX, T)                                   \
+    static inline void fc_short_m_kernel_##SUFFIX(                              \
+        int nv, int extra, ptrdiff_t K, const T *w, ptrdiff_t ldw, ptrdiff_t R, \
+        const T *at, const T *xe, ptrdiff_t M, T *c, ptrdiff_t rsc,             \
+        ptrdiff_t csc, T alpha, T beta, const T *bias, int act)                 \
+    {                                                                           \
+        switch (2 * nv + (extra != 0)) { FC_SHORT_M_CASES_##SUFFIX }            \
+    }
+
+/* Vectors of A 1..NV, each with and without the extra row: a short M
+ * pays for the vectors it fills. */
+#if FC_S_SHORT_MR > 0
+#if FC_S_SHORT_NV != 3
+#error "float32 short-M kernels exist for 3 vectors"
+#endif
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 1, 0)
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 1, 1)
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 2, 0)
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 2, 1)
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 3, 0)
+FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 3, 1)
+#define FC_SHORT_M_CASES_f32                                                    \
+    FC_SHORT_M_CASE(f32, 1) FC_SHORT_M_CASE(f32, 2) FC_SHORT_M_CASE(f32, 3)
+#else
+#define FC_SHORT_M_CASES_f32
+#endif
+FC_DEFINE_SHORT_M_DISPATCH(f32, float)
+
+#if FC_D_SHORT_MR > 0
+#if FC_D_SHORT_NV != 6
+#error "float64 short-M kernels exist for 6 vectors"
+#endif
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 1, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 1, 1)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 2, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 2, 1)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 3, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 3, 1)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 4, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 4, 1)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 5, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 5, 1)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 6, 0)
+FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 6, 1)
+#define FC_SHORT_M_CASES_f64                                                    \
+    FC_SHORT_M_CASE(f64, 1) FC_SHORT_M_CASE(f64, 2) FC_SHORT_M_CASE(f64, 3)     \
+    FC_SHORT_M_CASE(f64, 4) FC_SHORT_M_CASE(f64, 5) FC_SHORT_M_CASE(f64, 6)
+#else
+#define FC_SHORT_M_CASES_f64
+#endif
+FC_DEFINE_SHORT_M_DISPATCH(f64, double)
+
+#endif
