@@ -4,12 +4,14 @@
 Sections: float32 squares; the GEMMs of every distinct ResNet-50
 convolution shape at batch 1 and 8 (M = batch*OH*OW, N = OC, K = KH*KW*C;
 A = im2col patches M x K, B = weights K x N, both row-major); fastconv's
-ISA builds against each other; float64.  Each cell is timed per library in
+ISA builds against each other; float64; short-M products x @ W.T (the
+short-M kernels against fastconv's own blocked frame).  Each cell is timed per library in
 blocks that take turns over several rounds (see fastconv/_bench.py), and
 every fastconv result is checked once against numpy.
 
     python benchmarks/bench_gemm.py [--quick] [--threads 1,2] [--budget S]
-        [--rounds R] [--only squares,resnet,isa,float64] [--markdown PATH] [--no-torch]
+        [--rounds R] [--only squares,resnet,isa,float64,shortm] [--markdown PATH]
+        [--no-torch]
 """
 import argparse
 import contextlib
@@ -31,6 +33,13 @@ BATCHES = (1, 8)
 #: --quick's ResNet-50 layers: one per stage.
 QUICK_LAYERS = ("res2 3x3 64->64", "res3 1x1 128->512", "res4 3x3 256->256", "res5 1x1 512->2048")
 FLOAT64_SHAPES = (("1024^2", 1024, 1024, 1024), ("res2 3x3 64->64", 3136, 64, 576))
+#: Short-M products x @ W.T (W row-major N x K, read as a transposed view):
+#: 1x1 convolutions on a 7x7 image at batch 1, nn.Linear at small batches.
+SHORT_M_SHAPES = (("res5 1x1 2048->512 b1", 49, 512, 2048),
+                  ("res5 1x1 512->2048 b1", 49, 2048, 512),
+                  ("1x1 1024->2048 @7 b1", 49, 2048, 1024),
+                  ("linear 512->1000 b8", 8, 1000, 512),
+                  ("linear 2048->2048 b16", 16, 2048, 2048))
 #: Largest max |fastconv - numpy| / max |numpy| accepted, per dtype.
 TOLERANCE = {np.float32: 1e-4, np.float64: 1e-12}
 LEGEND = ("GFLOPS: best (fastest call) / median.  Ratios: fastconv / other, of best / of "
@@ -55,10 +64,12 @@ class Cell:
         return h.gflops(self.m, self.n, self.k, t.best), h.gflops(self.m, self.n, self.k, t.median)
 
 
-def measure(label, m, n, k, dtype, libraries, thread_counts, settings, rng):
-    """Cells for one GEMM shape on each thread count."""
+def measure(label, m, n, k, dtype, libraries, thread_counts, settings, rng, b_transposed=False):
+    """Cells for one GEMM shape on each thread count (b_transposed: B is the
+    transposed view of a row-major N x K array)."""
     a = rng.standard_normal((m, k), dtype=dtype)
-    b = rng.standard_normal((k, n), dtype=dtype)
+    b = (rng.standard_normal((n, k), dtype=dtype).T if b_transposed
+         else rng.standard_normal((k, n), dtype=dtype))
     calls = {lib.name: lib.gemm(a, b) for lib in libraries}
     reference = a @ b
     cells = []
@@ -218,12 +229,48 @@ def float64_section(args, settings, libraries, rng):
                    all(c.ok for c in cells))
 
 
+def _frame_gemm(a, b):
+    """fastconv's GEMM with the short-M kernels turned off: the blocked
+    frame, which packs all of B."""
+    call = h.FASTCONV.gemm(a, b)
+
+    def run():
+        previous = _dispatch.kernels.set_short_m(False)
+        try:
+            return call()
+        finally:
+            _dispatch.kernels.set_short_m(previous)
+    return run
+
+
+FRAME = h.Library("fastconv frame", h.fastconv_threads, _frame_gemm)
+
+
+def short_m_section(args, settings, libraries, rng):
+    cells = []
+    for label, m, n, k in SHORT_M_SHAPES[:2] if args.quick else SHORT_M_SHAPES:
+        cells += measure(label, m, n, k, np.float32, libraries + [FRAME], args.threads,
+                         settings, rng, b_transposed=True)
+    cells.sort(key=lambda c: c.threads)
+    applies = {label: _dispatch.kernels.short_m_gemm_applies(m, n, k, "float32")
+               for label, m, n, k in SHORT_M_SHAPES}
+    notes = [LEGEND, "x @ W.T with W a row-major N x K array (B its transposed view). "
+             "'fastconv frame': the same call with the short-M kernels turned off "
+             "(fastconv's blocked GEMM, which packs all of W^T into panels first).  "
+             "Short-M kernels in this build for: "
+             + (", ".join(label for label, on in applies.items() if on) or "none") + "."]
+    return Section("Short-M products x @ W.T, float32",
+                   *comparison_table(cells, libraries + [FRAME]), notes,
+                   all(c.ok for c in cells))
+
+
 SECTIONS = {
     "squares": lambda *a: [squares_section(*a)],
     "resnet": lambda args, *a: [resnet_section(batch, args, *a)
                                 for batch in (BATCHES[:1] if args.quick else BATCHES)],
     "isa": lambda *a: [isa_section(*a)],
     "float64": lambda *a: [float64_section(*a)],
+    "shortm": lambda *a: [short_m_section(*a)],
 }
 
 
