@@ -1670,6 +1670,44 @@ def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
         assert got == want, dtype
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N, H, W, C, OC", [
+    (1, 7, 7, 512, 512),      # 49 pixels: 3 vectors and the extra row (float32)
+    (1, 5, 7, 520, 517),      # 35 pixels; C past a vector, OC past a short tile
+    (1, 4, 4, 512, 600),      # 16 pixels: one vector, no extra row
+    (2, 3, 3, 640, 512),      # 18 pixels over two images
+])
+def test_pointwise_short_image_matches_torch(N, H, W, C, OC, dtype, request):
+    """1x1 layers on at most 49 pixels with 512+ channels in and out: auto
+    runs gemm1x1, whose GEMM takes the short-M kernels on AVX-512 (the
+    weights read in place; implicit GEMM on the other builds); with bias,
+    a residual and relu6, NHWC and NCHW, 1 and 2 threads, against torch in
+    float64."""
+    rng = np.random.default_rng([N, H, W, C, OC, np.dtype(dtype).itemsize])
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 1, 1, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    res = rng.standard_normal((N, H, W, OC)).astype(dtype)
+    geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, W))
+    short = fastconv._dispatch.kernels.ISA == "avx512"
+    assert fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, W), False,
+                                           np.dtype(dtype).name) == (
+        "gemm1x1" if short else "implicit")
+    exact = F.conv2d(torch.from_numpy(x).double().permute(0, 3, 1, 2),
+                     torch.from_numpy(w).double().permute(0, 3, 1, 2),
+                     torch.from_numpy(b).double()).permute(0, 2, 3, 1).numpy() + res
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    for nt in (1, 2):
+        fastconv.set_num_threads(nt)
+        got = conv2d(x, w, b, residual=res, activation="relu6")
+        assert_close(got, np.clip(exact, 0, 6), dtype, C, f"NHWC, {nt} threads")
+        got = conv2d(x.transpose(0, 3, 1, 2), w.transpose(0, 3, 1, 2), b, layout="NCHW")
+        assert_close(got, (exact - res).transpose(0, 3, 1, 2), dtype, C, f"NCHW, {nt} threads")
+        assert_close(conv2d(x, w, algorithm="implicit"), exact - res - b, dtype, C,
+                     f"implicit, {nt} threads")
+
+
 def test_packed_weights_of_another_layer_are_refused():
     kernels = fastconv._dispatch.kernels
     w_small = np.ones((8, 3 * 3 * 4), np.float32)
