@@ -132,7 +132,12 @@
         }                                                                       \
     }
 
-#define FC_SHORT_M_CASE(SUFFIX, NV)                                             \
+/* Both variants (with and without the extra row) of NV vectors, and
+ * their dispatch cases; X-macros over NV = 1..3 and 1..6. */
+#define FC_DEFINE_SHORT_M_KERNELS(SUFFIX, T, MR, NV)                            \
+    FC_DEFINE_SHORT_M_KERNEL(SUFFIX, T, MR, NV, 0)                              \
+    FC_DEFINE_SHORT_M_KERNEL(SUFFIX, T, MR, NV, 1)
+#define FC_SHORT_M_CASE(SUFFIX, T, MR, NV)                                      \
     case 2 * (NV):                                                              \
         fc_short_m_kernel_##SUFFIX##_##NV##_0(K, w, ldw, R, at, xe, M, c, rsc,  \
                                               csc, alpha, beta, bias, act);     \
@@ -141,57 +146,47 @@
         fc_short_m_kernel_##SUFFIX##_##NV##_1(K, w, ldw, R, at, xe, M, c, rsc,  \
                                               csc, alpha, beta, bias, act);     \
         break;
+#define FC_SHORT_M_UP_TO_3(X, SUFFIX, T, MR)                                    \
+    X(SUFFIX, T, MR, 1) X(SUFFIX, T, MR, 2) X(SUFFIX, T, MR, 3)
+#define FC_SHORT_M_UP_TO_6(X, SUFFIX, T, MR)                                    \
+    FC_SHORT_M_UP_TO_3(X, SUFFIX, T, MR)                                        \
+    X(SUFFIX, T, MR, 4) X(SUFFIX, T, MR, 5) X(SUFFIX, T, MR, 6)
 
-#define FC_DEFINE_SHORT_M_DISPATCH(SUFFIX, T)                                   \
+/* fc_short_m_kernel_SUFFIX: the kernel for nv vectors and extra (a build
+ * without short-M kernels never calls it). */
+#define FC_DEFINE_SHORT_M_DISPATCH(SUFFIX, T, CASES)                            \
     static inline void fc_short_m_kernel_##SUFFIX(                              \
         int nv, int extra, ptrdiff_t K, const T *w, ptrdiff_t ldw, ptrdiff_t R, \
         const T *at, const T *xe, ptrdiff_t M, T *c, ptrdiff_t rsc,             \
         ptrdiff_t csc, T alpha, T beta, const T *bias, int act)                 \
     {                                                                           \
-        switch (2 * nv + (extra != 0)) { FC_SHORT_M_CASES_##SUFFIX }            \
+        switch (2 * nv + (extra != 0)) { CASES }                                \
     }
 
 /* Vectors of A 1..NV, each with and without the extra row: a short M
  * pays for the vectors it fills. */
-#if FC_S_SHORT_MR > 0
-#if FC_S_SHORT_NV != 3
+#if FC_S_SHORT_MR > 0 && FC_S_SHORT_NV != 3
 #error "float32 short-M kernels exist for 3 vectors"
 #endif
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 1, 0)
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 1, 1)
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 2, 0)
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 2, 1)
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 3, 0)
-FC_DEFINE_SHORT_M_KERNEL(f32, float, FC_S_SHORT_MR, 3, 1)
-#define FC_SHORT_M_CASES_f32                                                    \
-    FC_SHORT_M_CASE(f32, 1) FC_SHORT_M_CASE(f32, 2) FC_SHORT_M_CASE(f32, 3)
-#else
-#define FC_SHORT_M_CASES_f32
-#endif
-FC_DEFINE_SHORT_M_DISPATCH(f32, float)
-
-#if FC_D_SHORT_MR > 0
-#if FC_D_SHORT_NV != 6
+#if FC_D_SHORT_MR > 0 && FC_D_SHORT_NV != 6
 #error "float64 short-M kernels exist for 6 vectors"
 #endif
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 1, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 1, 1)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 2, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 2, 1)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 3, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 3, 1)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 4, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 4, 1)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 5, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 5, 1)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 6, 0)
-FC_DEFINE_SHORT_M_KERNEL(f64, double, FC_D_SHORT_MR, 6, 1)
-#define FC_SHORT_M_CASES_f64                                                    \
-    FC_SHORT_M_CASE(f64, 1) FC_SHORT_M_CASE(f64, 2) FC_SHORT_M_CASE(f64, 3)     \
-    FC_SHORT_M_CASE(f64, 4) FC_SHORT_M_CASE(f64, 5) FC_SHORT_M_CASE(f64, 6)
+#define FC_SHORT_M_NONE(X, SUFFIX, T, MR)
+#if FC_S_SHORT_MR > 0
+#define FC_S_SHORT_M_EACH FC_SHORT_M_UP_TO_3
 #else
-#define FC_SHORT_M_CASES_f64
+#define FC_S_SHORT_M_EACH FC_SHORT_M_NONE
 #endif
-FC_DEFINE_SHORT_M_DISPATCH(f64, double)
+#if FC_D_SHORT_MR > 0
+#define FC_D_SHORT_M_EACH FC_SHORT_M_UP_TO_6
+#else
+#define FC_D_SHORT_M_EACH FC_SHORT_M_NONE
+#endif
+FC_S_SHORT_M_EACH(FC_DEFINE_SHORT_M_KERNELS, f32, float, FC_S_SHORT_MR)
+FC_DEFINE_SHORT_M_DISPATCH(f32, float,
+                           FC_S_SHORT_M_EACH(FC_SHORT_M_CASE, f32, float, FC_S_SHORT_MR))
+FC_D_SHORT_M_EACH(FC_DEFINE_SHORT_M_KERNELS, f64, double, FC_D_SHORT_MR)
+FC_DEFINE_SHORT_M_DISPATCH(f64, double,
+                           FC_D_SHORT_M_EACH(FC_SHORT_M_CASE, f64, double, FC_D_SHORT_MR))
 
 #endif
