@@ -674,6 +674,49 @@ def test_short_m_path(isa, dtype, nt):
                         assert np.all(np.abs(out - ref) <= bound), (M, N, K, act)
 
 
+def test_short_m_concurrent_python_threads(isa):
+    """4 Python threads running short-M products (x @ W.T, 17-49 rows) at
+    once get exactly the results of the same calls made one at a time: the
+    packed x^T is per call, W only read."""
+    rng = rng_for("short-m-concurrent", isa)
+    jobs = []
+    for i in range(4):
+        dtype = DTYPES[i % 2]
+        M, N, K = 49 - 8 * i, 520 + 7 * i, 600 + 16 * i
+        jobs.append((dtype, randn(rng, (M, K), dtype), randn(rng, (N, K), dtype)))
+    with _dispatch.use_isa(isa) as k:
+        assert all(k.short_m_gemm_applies(a.shape[0], w.shape[0], a.shape[1],
+                                          np.dtype(d).name) == (isa == "avx512")
+                   for d, a, w in jobs)
+        expected = [GEMM[d](1.0, a, w, trans_b=True) for d, a, w in jobs]
+        results = [[] for _ in jobs]
+        errors = []
+        barrier = threading.Barrier(len(jobs))
+        nt = fastconv.get_num_threads()
+
+        def worker(i):
+            try:
+                fastconv.set_num_threads(nt)
+                d, a, w = jobs[i]
+                for _ in range(6):
+                    barrier.wait(timeout=60)
+                    results[i].append(GEMM[d](1.0, a, w, trans_b=True))
+            except BaseException as e:       # reported in the main thread
+                errors.append(e)
+                barrier.abort()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for e, got in zip(expected, results):
+        assert len(got) == 6
+        for r in got:
+            np.testing.assert_array_equal(r, e)
+
+
 # ------------------------------------------------------------- threads
 
 THREAD_SHAPES = [
