@@ -111,7 +111,8 @@
             at += (NV) * VL;                                                    \
             a += sizeof(T);                                                     \
         }                                                                       \
-        /* The extra row's sums sit right after the vectors' M - 1. */         \
+        /* The extra row is row M - 1: its sums go after the vectors'      \
+           rows 0..M-2 (the padded lanes' sums are never stored). */          \
         if (EXTRA)                                                              \
             for (int i = 0; i < (MR); i++)                                      \
                 sum[i][M - 1] = sum[i][(NV) * VL];                              \
