@@ -86,6 +86,34 @@ def check_gemm(got, alpha, opa, opb, beta, c, dtype):
     check(got, ref, scale, opa.shape[1], dtype)
 
 
+def in_lockstep(workers, rounds, num_threads, call):
+    """results[i][r] = call(i, r), from `workers` Python threads that start
+    each round together (a barrier), each with fastconv's thread count set
+    to num_threads (OpenMP thread limits are per thread)."""
+    results = [[None] * rounds for _ in range(workers)]
+    errors = []
+    barrier = threading.Barrier(workers)
+
+    def worker(i):
+        try:
+            fastconv.set_num_threads(num_threads)
+            for r in range(rounds):
+                barrier.wait(timeout=60)
+                results[i][r] = call(i, r)
+        except BaseException as e:           # reported in the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    return results
+
+
 def with_gaps(x, fill):
     """A strided view equal to x, inside a larger array holding ``fill``
     elsewhere.  Returns (view, base)."""
@@ -689,32 +717,12 @@ def test_short_m_concurrent_python_threads(isa):
                                           np.dtype(d).name) == (isa == "avx512")
                    for d, a, w in jobs)
         expected = [GEMM[d](1.0, a, w, trans_b=True) for d, a, w in jobs]
-        results = [[] for _ in jobs]
-        errors = []
-        barrier = threading.Barrier(len(jobs))
-        nt = fastconv.get_num_threads()
-
-        def worker(i):
-            try:
-                fastconv.set_num_threads(nt)
-                d, a, w = jobs[i]
-                for _ in range(6):
-                    barrier.wait(timeout=60)
-                    results[i].append(GEMM[d](1.0, a, w, trans_b=True))
-            except BaseException as e:       # reported in the main thread
-                errors.append(e)
-                barrier.abort()
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors, errors
-    for e, got in zip(expected, results):
-        assert len(got) == 6
-        for r in got:
-            np.testing.assert_array_equal(r, e)
+        results = in_lockstep(len(jobs), 6, fastconv.get_num_threads(),
+                              lambda i, r: GEMM[jobs[i][0]](1.0, jobs[i][1], jobs[i][2],
+                                                            trans_b=True))
+    for i, e in enumerate(expected):
+        for r, got in enumerate(results[i]):
+            np.testing.assert_array_equal(got, e, err_msg=f"job {i} round {r}")
 
 
 # ------------------------------------------------------------- threads
@@ -789,33 +797,15 @@ def test_concurrent_python_threads(isa, rounds):
     for e, (d, a, b, c) in zip(expected, jobs):
         check_gemm(e, 1.1, a, b, 0.3, c, d)
 
-    results = [[None] * rounds for _ in jobs]
-    errors = []
-    barrier = threading.Barrier(len(jobs))
+    def call(i, r):
+        d, a, b, c = jobs[i]
+        if r % 2:
+            out = c.copy()
+            GEMM[d](1.1, a, b, 0.3, out, overwrite_c=True)
+            return out
+        return GEMM[d](1.1, a, b, 0.3, c)
 
-    def worker(i):
-        try:
-            fastconv.set_num_threads(nt)     # OpenMP thread limits are per thread
-            d, a, b, c = jobs[i]
-            for r in range(rounds):
-                barrier.wait(timeout=60)
-                if r % 2:
-                    out = c.copy()
-                    GEMM[d](1.1, a, b, 0.3, out, overwrite_c=True)
-                else:
-                    out = GEMM[d](1.1, a, b, 0.3, c)
-                results[i][r] = out
-        except BaseException as e:           # reported in the main thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
-    assert not errors, errors
+    results = in_lockstep(len(jobs), rounds, nt, call)
     for i, e in enumerate(expected):
         for r in range(rounds):
             np.testing.assert_array_equal(results[i][r], e, err_msg=f"job {i} round {r}")
