@@ -654,8 +654,9 @@ def test_short_m_path(isa, dtype, nt):
     convolution's product on a 7x7 image): the AVX-512 build runs it by the
     short-M kernels, W's rows read in place and A^T packed, the last row of
     A riding as dot products where the rows before it fill whole vectors
-    (M = 17, 33, 49 float32; 9, 17, ..., 49 float64).  Every vector count,
-    with and without that extra row; K with and without a tail past the
+    (M = 17, 33, 49 float32; 9, 17, 49 float64).  Every vector count (1-3
+    float32, 1-6 float64), with and without that extra row (1-3 and 1, 2,
+    6 of them); K with and without a tail past the
     last vector (512, 521); N a multiple of the tile's rows and not
     (M..., 61, 515); A's rows in place 3 KiB apart; alpha/beta on C (C
     also column-major); bias and relu/relu6 fused; beta 0 over a C of
@@ -665,7 +666,7 @@ def test_short_m_path(isa, dtype, nt):
     fastconv.set_num_threads(nt)
     f = GEMM[dtype]
     vl = 64 // np.dtype(dtype).itemsize
-    rows = sorted({2, 3, vl - 1, vl, vl + 1, 2 * vl + 1, 31, 40, 47, 48, 49})
+    rows = sorted({2, 3, vl - 1, vl, vl + 1, 12, 20, 2 * vl + 1, 28, 31, 40, 47, 48, 49})
     with _dispatch.use_isa(isa) as k:
         for M in rows:
             for K in (512, 521):
