@@ -703,6 +703,26 @@ def test_short_m_path(isa, dtype, nt):
                         assert np.all(np.abs(out - ref) <= bound), (M, N, K, act)
 
 
+def test_short_m_reach():
+    """Where the AVX-512 build takes the short-M kernels: 2..49 rows, N no
+    shorter than M, K >= 512, and A^T as packed (3 float32 vectors for 49
+    rows, the 49th riding as the extra row; 6 float64 ones) within 512 KiB:
+    K up to 2730 float32 and 1365 float64 at 49 rows."""
+    with _dispatch.use_isa("avx512" if "avx512" in AVAILABLE else AVAILABLE[0]) as k:
+        if k.ISA != "avx512":
+            for M, N, K in ((49, 512, 2048), (17, 1024, 1024)):
+                assert not k.short_m_gemm_applies(M, N, K, "float32")
+            return
+        applies = k.short_m_gemm_applies
+        assert applies(49, 512, 2730, "float32") and not applies(49, 512, 2731, "float32")
+        assert applies(48, 512, 2730, "float32")           # 3 vectors, no extra row
+        assert not applies(50, 512, 1024, "float32")       # past 3 vectors and one
+        assert applies(49, 512, 1365, "float64") and not applies(49, 512, 1366, "float64")
+        assert applies(2, 2, 512, "float32") and not applies(1, 2, 512, "float32")
+        assert not applies(49, 48, 1024, "float32")        # W shorter than A
+        assert not applies(49, 512, 511, "float32")        # too shallow
+
+
 def test_short_m_concurrent_python_threads(isa):
     """4 Python threads running short-M products (x @ W.T, 17-49 rows) at
     once get exactly the results of the same calls made one at a time: the

@@ -784,16 +784,25 @@ cdef inline Py_ssize_t short_m_rows(real dtype_tag) noexcept nogil:
         return D_SHORT_NV * (VBYTES // 8) + 1 if D_SHORT_MR > 0 else 0
 
 
+cdef inline int short_m_vectors(Py_ssize_t M, Py_ssize_t vl, int* extra) noexcept nogil:
+    # How the short-M kernels hold M rows of A: vectors of vl rows, row
+    # M - 1 riding as the extra row (extra[0] = 1) when the rows before it
+    # fill whole vectors.
+    extra[0] = (M - 1) % vl == 0
+    return <int>cdiv(M - extra[0], vl)
+
+
 cdef inline bint short_m_applies(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
                                  Py_ssize_t csa, Py_ssize_t rsb, real dtype_tag) noexcept nogil:
     # A short A with contiguous rows times W^T with W's rows contiguous
     # (B = W^T: unit row stride), where W outweighs A (N >= M), deep
     # enough products (K >= SHORT_M_MIN_K), and A^T packed within half an
     # L2 (the kernel has no K blocks).
-    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    cdef int extra
+    cdef int nv = short_m_vectors(M, VBYTES // sizeof(real), &extra)
     return (short_m_enabled and 2 <= M <= short_m_rows(<real>0) and N >= M
             and K >= SHORT_M_MIN_K and csa == 1 and rsb == 1
-            and K * cdiv(M, vl) * <Py_ssize_t>VBYTES <= SHORT_M_MAX_AT_BYTES)
+            and K * nv * <Py_ssize_t>VBYTES <= SHORT_M_MAX_AT_BYTES)
 
 
 def short_m_gemm_applies(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, dtype):
@@ -815,9 +824,9 @@ cdef int gemm_short_m(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     cdef Py_ssize_t vl = VBYTES // sizeof(real)
     cdef Py_ssize_t tb = 64 // sizeof(real)
     cdef Py_ssize_t smr = S_SHORT_MR if real is float else D_SHORT_MR
-    cdef int extra = (M - 1) % vl == 0
+    cdef int extra
+    cdef int nv = short_m_vectors(M, vl, &extra)
     cdef Py_ssize_t rows = M - extra
-    cdef int nv = <int>cdiv(rows, vl)
     cdef Py_ssize_t ld = nv * vl
     cdef int nt = threads_for(2.0 * M * N * K, max_threads)
     cdef Py_ssize_t kb, k0, k1, ib, i0, k, m, t, n0
