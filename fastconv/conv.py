@@ -205,26 +205,48 @@ def _is_winograd(geo):
     return geo.kernel == (3, 3) and geo.stride == (1, 1)
 
 
-def _winograd_tiles(N, geo):
-    # 4x4 output tiles, as the kernel cuts them: per dilation phase (the
+def _winograd_tiles(N, geo, m=4):
+    # m x m output tiles, as the kernel cuts them: per dilation phase (the
     # outputs a + d*i of each residue a form an undilated convolution).
     (DH, DW), (OH, OW) = geo.dilation, geo.out_hw
-    return N * DH * -(-(-(-OH // DH)) // 4) * DW * -(-(-(-OW // DW)) // 4)
+    return N * DH * -(-(-(-OH // DH)) // m) * DW * -(-(-(-OW // DW)) // m)
 
 
-def _winograd_tile(N, geo, prepacked=False):
-    """4 for F(4x4, 3x3); 2, F(2x2, 3x3), for prepacked filters and layers
-    of at most four of its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where
-    streaming the 36 x C x OC transformed filters is most of the work and
-    F(2x2)'s 16 x C x OC pay for its 1.8x the multiplications.  Measured, 2
-    threads, prepacked 512->512: @7 batch 1 302 vs 273 GFLOPS median (best
-    348 vs 355), and in ResNet-18 at batch 1 (its three such layers),
-    13.8-16.0 vs 14.4-15.9 ms median over three interleaved runs; at batch 2
-    (8 tiles) F(4x4) was faster (315 vs 278), and at 16 tiles far faster.
+def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
+    """4 for F(4x4, 3x3); for prepacked filters and layers of at most four
+    of its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where streaming the
+    36 x C x OC transformed filters is most of the work:
+
+    - "few": F(4x4) by the kernels' few-tile path from packed column halves
+      (pack_winograd_few_weights: 18 x C x OC values, each filter's
+      transform half done), on AVX-512 with output channels in whole
+      vectors, for 128x256 channels and more and images that F(2x2) cuts
+      into at least 12 tiles.  Zen 4, 2 threads, one process alternating,
+      best / median ms, few vs F(2x2), batch 1: 512->512 @7 0.53 / 0.70 vs
+      0.65 / 0.80, @8 0.49 / 0.53 vs 0.64 / 0.66, 256->512 @8 0.253 / 0.256
+      vs 0.335 / 0.339, 256->256 @7 0.149 / 0.158 vs 0.182 / 0.195,
+      128->256 @7 0.088 / 0.090 vs 0.105 / 0.106.  The few-tile path
+      computes tiles four at a time, so with fewer F(2x2) tiles it loses:
+      512->512 @6 (9 of them) 0.50 vs 0.38, @4 (4) 0.50 vs 0.18.  Below
+      128x256 channels it ran 0.8-1.2x (64->128 @7 0.054 vs 0.043, 64->64
+      0.037 vs 0.045).  At batch 2 (8 tiles) it tied with F(4x4)'s packed U
+      (1.00 / 1.11 vs 1.00 / 1.06 ms).
+    - 2 otherwise: F(2x2, 3x3), whose 16 x C x OC pay for its 1.8x the
+      multiplications.  Measured, 2 threads, prepacked 512->512: @7 batch 1
+      302 vs 273 GFLOPS median (best 348 vs 355) against F(4x4), and in
+      ResNet-18 at batch 1 (its three such layers), 13.8-16.0 vs 14.4-15.9
+      ms median over three interleaved runs; at batch 2 (8 tiles) F(4x4) was
+      faster (315 vs 278), and at 16 tiles far faster.
+
     Filters transformed per call never leave the cache there (the kernels'
-    fused path), and F(4x4) won: 512->512 @7 b1 252/233 vs 215/203 GFLOPS
-    best/median."""
-    return 2 if prepacked and _winograd_tiles(N, geo) <= 4 else 4
+    fused and few-tile paths), and F(4x4) won: 512->512 @7 b1 252/233 vs
+    215/203 GFLOPS best/median."""
+    if not prepacked or _winograd_tiles(N, geo) > 4:
+        return 4
+    if (Cg * OCg >= 128 * 256 and _winograd_tiles(N, geo, 2) >= 12
+            and _dispatch.kernels.winograd_few_pack_applies(OCg, dtype)):
+        return "few"
+    return 2
 
 
 #: Layers of at most this many 4x4 tiles, with per-call filters, take the
@@ -295,7 +317,7 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
       prepacked filters and few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer;
-      see _winograd_tile and _winograd_pays for when auto takes it);
+      see _winograd_variant and _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
     - "im2col": the whole patch matrix, then one GEMM per group (the
@@ -445,11 +467,12 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             kernels.im2col(xg, cols, *geo, nt)
             kernels.gemm(1.0, cols, wg.T, beta, yg, nt, b, act)
         elif algorithm == "winograd":
-            tile = _winograd_tile(x.shape[0], geo, packed is not None)
-            filters = None if packed is None else packed(kernels, g, algorithm, tile)
+            variant = _winograd_variant(x.shape[0], geo, wg.shape[1] // 9, wg.shape[0],
+                                        x.dtype.name, packed is not None)
+            filters = None if packed is None else packed(kernels, g, algorithm, variant)
             kernels.conv2d_winograd(xg, wg, b, yg, geo.pad_before, geo.out_hw, nt, act,
                                     filters, dilation=geo.dilation, accumulate=accumulate,
-                                    tile=tile)
+                                    tile=2 if variant == 2 else 4)
         else:
             kernels.conv2d_forward(xg, wg, b, yg, *geo, nt, act,
                                    None if packed is None else packed(kernels, g, algorithm),
@@ -971,16 +994,18 @@ class PackedConv2d:
         self._packs = {}   # (ISA, algorithm, Winograd tile, group) -> packed weights
         self._tuned = set()  # algorithm="tune": the algorithms chosen so far
 
-    def _packed(self, kernels, group, algorithm, tile=4):
-        # tile: the Winograd variant (_winograd_tile), F(4x4) when groups
-        # run in parallel.
-        key = (kernels.ISA, algorithm, tile if algorithm == "winograd" else None, group)
+    def _packed(self, kernels, group, algorithm, variant=4):
+        # variant: Winograd's (_winograd_variant), F(4x4) when groups run in
+        # parallel.
+        key = (kernels.ISA, algorithm, variant if algorithm == "winograd" else None, group)
         pack = self._packs.get(key)
         if pack is None:
             OCg = self._w2d.shape[0] // self.options["groups"]
             w_group = np.ascontiguousarray(self._w2d[group * OCg:(group + 1) * OCg])
-            if algorithm == "winograd":
-                pack = kernels.pack_winograd_weights(w_group, get_num_threads(), tile)
+            if algorithm == "winograd" and variant == "few":
+                pack = kernels.pack_winograd_few_weights(w_group, get_num_threads())
+            elif algorithm == "winograd":
+                pack = kernels.pack_winograd_weights(w_group, get_num_threads(), variant)
             else:
                 kernel = _to_nhwc(self.weight, self.options["layout"]).shape[1:3]
                 pack = kernels.pack_conv_weights(w_group, kernel, get_num_threads())

@@ -86,9 +86,10 @@ CASES = [
 @pytest.fixture(params=[4, 2], ids=["F4x4", "F2x2"])
 def tile(request, monkeypatch):
     """The Winograd variant every conv2d of the test runs (auto takes
-    F(2x2) only for prepacked filters and few tiles)."""
-    monkeypatch.setattr(fastconv.conv, "_winograd_tile",
-                        lambda N, geo, prepacked=False: request.param)
+    F(2x2) only for prepacked filters and few tiles; the few-tile packed
+    column halves have tests of their own)."""
+    monkeypatch.setattr(fastconv.conv, "_winograd_variant",
+                        lambda N, geo, Cg, OCg, dtype, prepacked=False: request.param)
     return request.param
 
 
@@ -380,6 +381,89 @@ def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
             f"few-tile error {err:.3g} vs the fused path's {fused_err:.3g} (scale {scale:.3g})")
 
 
+@pytest.mark.skipif("avx512" not in fastconv._dispatch.AVAILABLE,
+                    reason="the few-tile kernels are AVX-512's; this CPU has no AVX-512")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N, H, W, C, OC, padding, dilation", [
+    (1, 7, 7, 64, 128, 1, 1),             # 4 tiles (7x7 at batch 1), one k-block
+    (1, 5, 5, 300, 32, 1, 1),             # k-blocks of 100: partial transpose blocks
+    (1, 4, 4, 130, 64, 1, 1),             # 1 tile: V's rows past it are zeros
+    (1, 7, 11, 48, 16, ((2, 0), (1, 2)), 1),  # asymmetric padding, 6 tiles
+    (1, 7, 7, 24, 32, 2, 2),              # dilation: 4 phases of one tile
+    (2, 9, 9, 32, 48, 1, 1),              # 18 tiles (past auto's 4): a partial group
+])
+def test_packed_few_tile_filters(request, monkeypatch, dtype, N, H, W, C, OC, padding,
+                                 dilation):
+    """PackedConv2d's few-tile variant (AVX-512): the column halves D^-1 G g
+    packed once (pack_winograd_few_weights) and read by winograd_few_nogil
+    in place of each call's transform of w.  The same values summed in the
+    same order, so bit for bit the per-call few-tile path (forced for every
+    tile count here), with a bias, a residual and relu6, on 1 and 2
+    threads; and within float32/float64 rounding of torch in float64."""
+    rng = np.random.default_rng(C * OC + H)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    kw = dict(padding=padding, dilation=dilation)
+    residual = rng.standard_normal(conv2d(x, w, **kw).shape).astype(dtype)
+    monkeypatch.setattr(fastconv.conv, "_winograd_variant",
+                        lambda N, geo, Cg, OCg, dtype, prepacked=False: "few" if prepacked else 4)
+    previous_threads = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous_threads))
+    with fastconv._dispatch.use_isa("avx512") as kernels:
+        previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
+        previous_few = kernels.set_winograd_few_tiles(1 << 20)
+        request.addfinalizer(lambda: kernels.set_winograd_fused(*previous_fused))
+        request.addfinalizer(lambda: kernels.set_winograd_few_tiles(previous_few))
+        layer = fastconv.PackedConv2d(w, b, activation="relu6", algorithm="winograd", **kw)
+        results = []
+        for nt in (2, 1):
+            fastconv.set_num_threads(nt)
+            per_call = conv2d(x, w, b, activation="relu6", residual=residual,
+                              algorithm="winograd", **kw)
+            results.append(layer(x, residual=residual))
+            np.testing.assert_array_equal(results[-1], per_call)
+        np.testing.assert_array_equal(results[0], results[1])
+        assert [key[2] for key in layer._packs] == ["few"]
+    pads = explicit_pads(padding, (H, W), (3, 3), (1, 1), (dilation, dilation))
+    before_act = reference(x, w, b, pads, dilation=(dilation, dilation)) + residual
+    rel = 1e-5 if dtype == np.float32 else 1e-13
+    assert (max_error(results[0], np.clip(before_act, 0, 6))
+            <= rel * np.abs(before_act).max())
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+def test_packed_few_tile_filters_refused_where_they_do_not_fit(isa):
+    """pack_winograd_few_weights needs the AVX-512 kernels and output
+    channels in whole vectors, and its filters serve F(4x4) Winograd only;
+    PackedConv2d with few tiles then packs F(2x2) filters."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, 7, 7, 256)).astype(np.float32)
+    w = rng.standard_normal((136, 3, 3, 256)).astype(np.float32)   # 8.5 vectors
+    w2d = np.ascontiguousarray(w.reshape(136, -1))
+    y = np.empty((49, 136), np.float32)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        with pytest.raises(ValueError, match="whole vectors of 16; this is avx512 with 136"
+                           if isa == "avx512" else "need an AVX-512 build"):
+            kernels.pack_winograd_few_weights(w2d, 1)
+        layer = fastconv.PackedConv2d(w, padding=1)
+        ref = reference(x, w, None, ((1, 1), (1, 1)))
+        assert max_error(layer(x), ref) <= 1e-5 * np.abs(ref).max()
+        assert [key[1:3] for key in layer._packs] == [("winograd", 2)]
+        if isa != "avx512":
+            return
+        w2d = w2d[:32]
+        few = kernels.pack_winograd_few_weights(w2d, 1)
+        with pytest.raises(ValueError, match="tile must be 4"):
+            kernels.conv2d_winograd(x, w2d, None, y[:, :32], (1, 1), (7, 7), 1, 0, few, tile=2)
+        with pytest.raises(ValueError, match="packed weights are winograd-few"):
+            kernels.conv2d_forward(x, w2d, None, y[:, :32], (3, 3), (1, 1), (1, 1), (1, 1),
+                                   (7, 7), 1, 0, few)
+        with pytest.raises(ValueError, match="packed weights are winograd-few"):
+            kernels.conv2d_winograd(x, w2d, None, y[:, :32], (1, 1), (7, 7), 1, 0,
+                                    kernels.pack_winograd_few_weights(w2d[:16], 1))
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 def test_packed_winograd_filters(isa, tile):
     rng = np.random.default_rng(8)
@@ -435,21 +519,35 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     assert got == expected
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("C, OC", [(128, 256), (256, 128), (512, 520), (64, 256)])
 @pytest.mark.parametrize("N, H, dilation, expected", [
-    (1, 7, 1, 2),          # ResNet stage 4 at batch 1: 4 tiles of 4x4
-    (1, 8, 1, 2),
+    (1, 7, 1, "few"),      # ResNet stage 4 at batch 1: 4 tiles of 4x4, 16 of 2x2
+    (1, 8, 1, "few"),
+    (1, 6, 1, 2),          # 4 tiles of 4x4 but only 9 of 2x2
+    (1, 4, 1, 2),          # 1 tile of 4x4 (computed as 4), 4 of 2x2
     (2, 7, 1, 4),          # 8 tiles
     (1, 14, 1, 4),         # 16 tiles
-    (1, 7, 2, 2),          # per dilation phase: 4 phases of one tile
+    (1, 7, 2, "few"),      # per dilation phase: 4 phases of one tile, 16 of 2x2
     (1, 14, 2, 4),         # 4 phases of 4 tiles
 ])
-def test_winograd_variant_by_tile_count(N, H, dilation, expected):
-    """F(2x2) for prepacked filters and few tiles; filters transformed per
-    call stay in the cache (the fused path), where F(4x4) is faster."""
+def test_winograd_variant_by_tile_count(isa, dtype, C, OC, N, H, dilation, expected):
+    """For prepacked filters and few tiles, the few-tile path's packed
+    column halves where its kernels run (AVX-512, output channels in whole
+    vectors: not 520 in float32) and pay (128x256 channels and more: not
+    64x256; enough F(2x2) tiles), else F(2x2); filters transformed per call
+    stay in the cache (the fused and few-tile paths), where F(4x4) is
+    faster."""
     geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
                                   (H, H))
-    assert fastconv.conv._winograd_tile(N, geo, prepacked=True) == expected
-    assert fastconv.conv._winograd_tile(N, geo) == 4
+    vector = 64 // np.dtype(dtype).itemsize
+    with fastconv._dispatch.use_isa(isa):
+        got = fastconv.conv._winograd_variant(N, geo, C, OC, dtype, prepacked=True)
+        assert fastconv.conv._winograd_variant(N, geo, C, OC, dtype) == 4
+    if expected == "few" and not (isa == "avx512" and OC % vector == 0 and C * OC >= 32768):
+        expected = 2
+    assert got == expected
 
 
 @pytest.mark.parametrize("kernel, kwargs, message", [

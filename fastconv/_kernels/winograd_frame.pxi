@@ -21,6 +21,10 @@
 # go to memory: V of every tile first, then each thread transforms one
 # panel of output channels' filters a k-block at a time into L2, multiplies
 # every tile by it and finishes those channels of the output.
+#
+# Prepacked filters for few tiles (pack_winograd_few_weights) are the
+# few-tile path's column halves, D^-1 G g, in the order it reads them: 18
+# values per filter where U has 36, half of each transform done once.
 
 cdef extern from "winograd_kernel.h":
     # F(4x4, 3x3) (fc_wino_*) and F(2x2, 3x3) (fc_wino2_*), the same contracts.
@@ -178,6 +182,12 @@ def set_winograd_chunk_bytes(Py_ssize_t nbytes):
 cdef inline Py_ssize_t wino_points(int tile) noexcept nogil:
     # Winograd points of F(tile x tile, 3x3): its window is tile + 2 wide.
     return (tile + 2) * (tile + 2)
+
+
+cdef inline bint wino_few_fits(Py_ssize_t OC, real dtype_tag) noexcept nogil:
+    # winograd_few_nogil's shape: 32 vector registers (its 24 accumulators
+    # and a row of six points) and whole vectors of output channels.
+    return VBYTES == 64 and OC % (VBYTES // sizeof(real)) == 0
 
 
 cdef struct WinoLayout:
@@ -551,10 +561,11 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                             const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                             const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
                             bint flipped, bint accumulate, const WinoTiling* tl,
-                            Py_ssize_t tiles) noexcept nogil:
+                            Py_ssize_t tiles, const real* halves=NULL) noexcept nogil:
     # F(4x4) with filters transformed in this call, for few tiles (see
     # fc_wino_few), in groups of Q = WINO_FEW_TILES (the last padded with
-    # zero tiles).  V of every tile first, group by group (group, point,
+    # zero tiles); halves: NULL, or the column halves packed by
+    # wino_pack_column_halves, read in place of w's transform.  V of every tile first, group by group (group, point,
     # tile, c), then regrouped per group and row i of points as vt[c][j][q]
     # (C x 6Q) and scaled to D V D (for the filters' scaled transform,
     # FC_WINO_G_SCALED); then each task, one NR panel of output channels,
@@ -578,7 +589,7 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef real* v = <real*>aligned_malloc(groups * sg * sizeof(real))
     cdef real* vt = <real*>aligned_malloc(groups * 6 * svt * sizeof(real))
     cdef real* m = <real*>aligned_malloc(36 * sm * sizeof(real))
-    cdef real* tbs = <real*>aligned_malloc(nt * tb_size * sizeof(real))
+    cdef real* tbs = <real*>aligned_malloc((1 if halves != NULL else nt * tb_size) * sizeof(real))
     if v == NULL or vt == NULL or m == NULL or tbs == NULL:
         aligned_free(v)
         aligned_free(vt)
@@ -586,7 +597,7 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         aligned_free(tbs)
         free(blocks)
         return -1
-    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
+    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb, ldt
     cdef Py_ssize_t n_cb = cdiv(C, TB)
     cdef real* tb
     cdef const real* vrow
@@ -616,32 +627,37 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
         oc0 = jp * NR
         width = min(NR, OC - oc0)
-        tb = tbs + threadid() * tb_size
         ov = 0
         while ov < width:
             for kb in range(n_kb):
                 kc0 = blocks[kb].k0
                 kcb = blocks[kb].kc
-                if flipped:
-                    if real is float:
-                        fc_wino_gcols_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, tb,
-                                          ldi)
-                    else:
-                        fc_wino_gcols_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, tb,
-                                          ldi)
+                # Row i of this block's column halves at tb + i * ldt.
+                if halves != NULL:
+                    tb = <real*>halves + (oc0 + ov) * 18 * C + kc0 * 3 * VL
+                    ldt = 3 * VL * C
                 else:
-                    if real is float:
+                    tb = tbs + threadid() * tb_size
+                    ldt = ldi
+                    if flipped:
+                        if real is float:
+                            fc_wino_gcols_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw,
+                                              tb, ldi)
+                        else:
+                            fc_wino_gcols_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw,
+                                              tb, ldi)
+                    elif real is float:
                         fc_wino_gcols_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
                     else:
                         fc_wino_gcols_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
                 for gi in range(groups * 6):
                     i = gi % 6
                     if real is float:
-                        fc_wino_few_f32(kcb, tb + i * ldi, vt + gi * svt + kc0 * 6 * Q,
+                        fc_wino_few_f32(kcb, tb + i * ldt, vt + gi * svt + kc0 * 6 * Q,
                                         m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
                                         kb > 0)
                     else:
-                        fc_wino_few_f64(kcb, tb + i * ldi, vt + gi * svt + kc0 * 6 * Q,
+                        fc_wino_few_f64(kcb, tb + i * ldt, vt + gi * svt + kc0 * 6 * Q,
                                         m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
                                         kb > 0)
             ov = ov + VL
@@ -662,11 +678,12 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
                                 const real* prepacked, int max_threads,
                                 bint flipped=False, bint accumulate=False,
-                                int tile=4) noexcept nogil:
+                                int tile=4, bint prepacked_few=False) noexcept nogil:
     # y (N*OH*OW x OC, rows rsy apart) = act(conv3x3(x, w) + bias (+ y
     # when accumulate)): the same contract as conv_forward_nogil for KH =
     # KW = 3, stride 1, dilation 1.  prepacked: NULL or
-    # pack_winograd_weights' U (for the same tile).  tile: 4 for F(4x4, 3x3),
+    # pack_winograd_weights' U (for the same tile), or with prepacked_few
+    # (tile 4) pack_winograd_few_weights' column halves.  tile: 4 for F(4x4, 3x3),
     # 2 for F(2x2, 3x3).  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
@@ -674,9 +691,11 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t points = wino_points(tile)
     cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
+    if prepacked_few:
+        return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, False,
+                                  accumulate, &tl, tiles, prepacked)
     if (prepacked == NULL and tile == 4 and tiles <= min(wino_few_max_tiles, wino_fused_max_tiles)
-            and VBYTES == 64 and OC % (VBYTES // sizeof(real)) == 0
-            and points * g.C * OC >= wino_fused_min_values):
+            and wino_few_fits(OC, <real>0) and points * g.C * OC >= wino_fused_min_values):
         return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,
                                   accumulate, &tl, tiles)
     if (prepacked == NULL and tiles <= wino_fused_max_tiles
@@ -764,6 +783,52 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     return 0
 
 
+cdef void wino_pack_column_halves(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
+                                  int nt, real* halves) noexcept nogil:
+    # The column halves D^-1 G g of w (OC x 9*C, OHWI rows) as
+    # winograd_few_nogil reads them: per vector of VL output channels q, row
+    # i (of six), input channel c and column s, the VL values at halves +
+    # ((q*6 + i)*C + c)*3*VL + s*VL.
+    cdef Py_ssize_t VL = VBYTES // sizeof(real), q
+    for q in prange(OC // VL, num_threads=nt, schedule="static"):
+        if real is float:
+            fc_wino_gcols_rows_f32(C, w + q * VL * rsw, rsw, C, halves + q * 18 * C * VL,
+                                   3 * VL * C)
+        else:
+            fc_wino_gcols_rows_f64(C, w + q * VL * rsw, rsw, C, halves + q * 18 * C * VL,
+                                   3 * VL * C)
+
+
+def winograd_few_pack_applies(Py_ssize_t OC, dtype):
+    """Whether pack_winograd_few_weights packs filters of OC output channels
+    in this build (AVX-512, OC a multiple of a vector)."""
+    if dtype == "float32":
+        return wino_few_fits(OC, <float>0)
+    return wino_few_fits(OC, <double>0)
+
+
+def pack_winograd_few_weights(const real[:, ::1] w, int num_threads):
+    """w (OC, 3*3*C) as the few-tile path's column halves (D^-1 G g, 18 x C
+    x OC values: half of each filter's transform, U has 36) for this ISA
+    build, to pass back as conv2d_winograd(..., packed=, tile=4).  The call
+    then runs winograd_few_nogil whatever its tiles, the path for few of
+    them (a 7x7 image at batch 1).  AVX-512 builds, OC a multiple of a
+    vector (winograd_few_pack_applies)."""
+    cdef Py_ssize_t OC = w.shape[0], C = w.shape[1] // 9
+    if C * 9 != w.shape[1] or C == 0 or OC == 0:
+        raise ValueError(f"w must be (OC, 3*3*C) with OC, C >= 1; got {tuple(w.shape)[:2]}")
+    if not wino_few_fits(OC, <real>0):
+        raise ValueError(f"few-tile Winograd filters need an AVX-512 build and output channels "
+                         f"in whole vectors of {VBYTES // sizeof(real)}; this is {ISA} with "
+                         f"{OC}")
+    packed = np.empty(18 * C * OC, np.float32 if real is float else np.float64)
+    cdef real[::1] dst = packed
+    with nogil:
+        wino_pack_column_halves(&w[0, 0], w.strides[0] // sizeof(real), OC, C, num_threads,
+                                &dst[0])
+    return PackedWeights(packed, ISA, (OC, 9 * C), (3, 3), WINO_FEW_TAG)
+
+
 def pack_winograd_weights(const real[:, ::1] w, int num_threads, int tile=4):
     """w (OC, 3*3*C) as Winograd-domain filters of F(tile x tile, 3x3)
     (tile 4 or 2) packed for this ISA build, to pass back as
@@ -800,6 +865,10 @@ cdef str wino_packed_tag(int tile):
     return "winograd" if tile == 4 else "winograd2"
 
 
+# What PackedWeights records for pack_winograd_few_weights' column halves.
+WINO_FEW_TAG = "winograd-few"
+
+
 def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, :] y,
                     pad_before, out_hw, int num_threads, int activation=ACT_NONE,
                     packed=None, bint flipped=False, dilation=(1, 1), bint accumulate=False,
@@ -807,7 +876,9 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     """y = act(conv3x3(x, w) (+ bias) (+ y when accumulate: a residual the
     caller stored there)) by Winograd F(tile x tile, 3x3) (4 or 2), stride 1,
     any dilation (see WinoTiling): x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC);
-    packed None or pack_winograd_weights(w).  flipped: w is (C, 3*3*OC),
+    packed None, pack_winograd_weights(w, tile=tile) or, for tile 4,
+    pack_winograd_few_weights(w) (the few-tile path then runs, whatever the
+    tiles).  flipped: w is (C, 3*3*OC),
     the weight of the convolution whose input gradient this one is, used
     with its taps reversed and channels swapped (no packed weights then)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
@@ -833,14 +904,18 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
         bias_view = bias
         bias_ptr = &bias_view[0]
     check_winograd_tile(tile)
-    cdef const real* packed_ptr = checked_packed(packed, <real>0, wino_packed_tag(tile),
+    cdef bint few = getattr(packed, "algorithm", None) == WINO_FEW_TAG
+    if few and tile != 4:
+        raise ValueError(f"few-tile packed filters are F(4x4, 3x3)'s: tile must be 4; got {tile}")
+    cdef const real* packed_ptr = checked_packed(packed, <real>0,
+                                                 WINO_FEW_TAG if few else wino_packed_tag(tile),
                                                  (w.shape[0], w.shape[1]), (3, 3))
     cdef int status
     with nogil:
         status = winograd_forward_nogil(&g, &x[0, 0, 0, 0], xs, &w[0, 0],
                                         w.strides[0] // item, OC, bias_ptr, activation,
                                         &y[0, 0], y.strides[0] // item, packed_ptr, num_threads,
-                                        flipped, accumulate, tile)
+                                        flipped, accumulate, tile, few)
     if status != 0:
         raise MemoryError("conv2d: could not allocate the Winograd filters and chunk buffers")
 
