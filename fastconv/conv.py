@@ -316,8 +316,9 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
       and 512 or more channels in and out, see _short_m_pays);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
       GEMMs in the transformed domain (4x fewer multiplications), or, with
-      prepacked filters and few tiles, F(2x2, 3x3), 16 GEMMs (2.25x fewer;
-      see _winograd_variant and _winograd_pays for when auto takes it);
+      prepacked filters and few tiles, F(4x4) from packed half-transformed
+      filters or F(2x2, 3x3), 16 GEMMs (2.25x fewer; see _winograd_variant
+      and _winograd_pays for when auto takes it);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
     - "im2col": the whole patch matrix, then one GEMM per group (the
@@ -968,7 +969,9 @@ class PackedConv2d:
     bias are copied: changing the arrays afterwards does not change the
     layer.  Packing happens at the first call with each kernel build
     (FASTCONV_ISA / use_isa), for the groups that run the implicit or the
-    Winograd algorithm (Winograd-domain filters, G g G^T, for the latter).
+    Winograd algorithm (Winograd-domain filters, G g G^T, for the latter;
+    with few tiles their column halves G g, or F(2x2)'s: see
+    _winograd_variant).
     With the filter transform paid once, "auto" takes Winograd for every
     3x3 stride-1 layer with at least 16 input and output channels per group,
     and with the GEMM panels packed once, implicit GEMM for 1x1 layers whose
