@@ -994,7 +994,7 @@ class PackedConv2d:
                             padding_mode=padding_mode, layout=layout)
         self.activation = activation
         self._w2d = _weight_matrix(_to_nhwc(self.weight, layout))
-        self._packs = {}   # (ISA, algorithm, Winograd tile, group) -> packed weights
+        self._packs = {}   # (ISA, algorithm, Winograd variant, group) -> packed weights
         self._tuned = set()  # algorithm="tune": the algorithms chosen so far
 
     def _packed(self, kernels, group, algorithm, variant=4):

@@ -386,7 +386,7 @@ def test_few_tile_filters_match_fused(request, isa, dtype, N, H, W, C, OC):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("N, H, W, C, OC, padding, dilation", [
     (1, 7, 7, 64, 128, 1, 1),             # 4 tiles (7x7 at batch 1), one k-block
-    (1, 5, 5, 300, 32, 1, 1),             # k-blocks of 100: partial transpose blocks
+    (1, 5, 5, 300, 32, 1, 1),             # k-blocks 128, 128, 44: a partial transpose block
     (1, 4, 4, 130, 64, 1, 1),             # 1 tile: V's rows past it are zeros
     (1, 7, 11, 48, 16, ((2, 0), (1, 2)), 1),  # asymmetric padding, 6 tiles
     (1, 7, 7, 24, 32, 2, 2),              # dilation: 4 phases of one tile

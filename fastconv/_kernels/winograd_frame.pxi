@@ -565,13 +565,14 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # F(4x4) with filters transformed in this call, for few tiles (see
     # fc_wino_few), in groups of Q = WINO_FEW_TILES (the last padded with
     # zero tiles); halves: NULL, or the column halves packed by
-    # wino_pack_column_halves, read in place of w's transform.  V of every tile first, group by group (group, point,
-    # tile, c), then regrouped per group and row i of points as vt[c][j][q]
-    # (C x 6Q) and scaled to D V D (for the filters' scaled transform,
-    # FC_WINO_G_SCALED); then each task, one NR panel of output channels,
-    # takes a vector of output channels and a k-block at a time: the column
-    # half of their filters' transform into tb (per thread), then each
-    # group's rows of points into M (point, tile, OC).
+    # wino_pack_column_halves, read in place of w's transform.  V of every
+    # tile first, group by group (group, point, tile, c), then regrouped per
+    # group and row i of points as vt[c][j][q] (C x 6Q) and scaled to D V D
+    # (for the filters' scaled transform, FC_WINO_G_SCALED); then each task,
+    # one NR panel of output channels, takes a vector of output channels and
+    # a k-block at a time: the column half of their filters' transform into
+    # tb (per thread; or the packed halves), then each group's rows of
+    # points into M (point, tile, OC).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t TB = 64 // sizeof(real)
