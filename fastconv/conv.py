@@ -468,7 +468,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             kernels.im2col(xg, cols, *geo, nt)
             kernels.gemm(1.0, cols, wg.T, beta, yg, nt, b, act)
         elif algorithm == "winograd":
-            variant = _winograd_variant(x.shape[0], geo, wg.shape[1] // 9, wg.shape[0],
+            variant = _winograd_variant(x.shape[0], geo, xg.shape[3], wg.shape[0],
                                         x.dtype.name, packed is not None)
             filters = None if packed is None else packed(kernels, g, algorithm, variant)
             kernels.conv2d_winograd(xg, wg, b, yg, geo.pad_before, geo.out_hw, nt, act,
