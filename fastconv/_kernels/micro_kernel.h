@@ -324,7 +324,9 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
  * cycles a value: a 9.4 MB filter took 0.28 ms on 2 cores, most of a
  * 512->512 @7 batch-1 convolution's extra cost over prepacked weights).
  * Written with generic 32-byte vectors, so every build gets the shuffles
- * it has (AVX: unpck/shuf/vperm2f128; SSE2 and NEON: pairs of halves). */
+ * it has (AVX: unpck/shuf/vperm2f128; SSE2 and NEON: pairs of halves).
+ * dst = s * src^T: the Winograd few-tile path scales its taps on the way
+ * (the packs pass s = 1, which the compiler drops). */
 typedef float fc_v8sf __attribute__((vector_size(32)));
 typedef double fc_v4df __attribute__((vector_size(32)));
 /* GCC takes the lane indices as a vector of the integer type IT. */
@@ -339,7 +341,7 @@ typedef long long fc_v4di __attribute__((vector_size(32)));
 #define FC_SHUF4(a, b, ...) FC_SHUFFLE(fc_v4di, a, b, __VA_ARGS__)
 
 static inline void fc_transpose_sq_f32(const float *src, ptrdiff_t lds,
-                                       float *dst, ptrdiff_t ldd)
+                                       float *dst, ptrdiff_t ldd, float s)
 {
     fc_v8sf r[8], t[8], u[8], o;
     for (int i = 0; i < 8; i++) memcpy(&r[i], src + i * lds, 32);
@@ -354,15 +356,15 @@ static inline void fc_transpose_sq_f32(const float *src, ptrdiff_t lds,
         u[i + 3] = FC_SHUF8(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
     }
     for (int q = 0; q < 4; q++) {
-        o = FC_SHUF8(u[q], u[q + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        o = s * FC_SHUF8(u[q], u[q + 4], 0, 1, 2, 3, 8, 9, 10, 11);
         memcpy(dst + q * ldd, &o, 32);
-        o = FC_SHUF8(u[q], u[q + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        o = s * FC_SHUF8(u[q], u[q + 4], 4, 5, 6, 7, 12, 13, 14, 15);
         memcpy(dst + (q + 4) * ldd, &o, 32);
     }
 }
 
 static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
-                                       double *dst, ptrdiff_t ldd)
+                                       double *dst, ptrdiff_t ldd, double s)
 {
     fc_v4df r[4], t[4], o;
     for (int i = 0; i < 4; i++) memcpy(&r[i], src + i * lds, 32);
@@ -371,9 +373,9 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
         t[i + 1] = FC_SHUF4(r[i], r[i + 1], 1, 5, 3, 7);
     }
     for (int q = 0; q < 2; q++) {
-        o = FC_SHUF4(t[q], t[q + 2], 0, 1, 4, 5);
+        o = s * FC_SHUF4(t[q], t[q + 2], 0, 1, 4, 5);
         memcpy(dst + q * ldd, &o, 32);
-        o = FC_SHUF4(t[q], t[q + 2], 2, 3, 6, 7);
+        o = s * FC_SHUF4(t[q], t[q + 2], 2, 3, 6, 7);
         memcpy(dst + (q + 2) * ldd, &o, 32);
     }
 }
@@ -416,7 +418,7 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
             for (; p + SQ <= pk; p += SQ)                                       \
                 for (int j = 0; j < (NR); j += SQ)                              \
                     fc_transpose_sq_##SUFFIX(&tile[j][p], KB,                   \
-                                             dst + (p0 + p) * (NR) + j, (NR));  \
+                                             dst + (p0 + p) * (NR) + j, (NR), 1); \
             for (; p < pk; p++) {                                               \
                 T *d = dst + (p0 + p) * (NR);                                   \
                 FC_UNROLL for (int j = 0; j < (NR); j++)                        \
@@ -449,7 +451,7 @@ static inline void fc_transpose_sq_f64(const double *src, ptrdiff_t lds,
             for (; j + SQ <= nj; j += SQ)                                       \
                 FC_UNROLL for (int i = 0; i < TB; i += SQ)                      \
                     fc_transpose_sq_##SUFFIX(&tile[i][j], TB,                   \
-                                             at + (j0 + j) * ldt + i0 + i, ldt); \
+                                             at + (j0 + j) * ldt + i0 + i, ldt, 1); \
             for (; j < nj; j++) {                                               \
                 T *d = at + (j0 + j) * ldt + i0;                                \
                 FC_UNROLL for (int i = 0; i < TB; i++) d[i] = tile[i][j];       \

@@ -23,7 +23,7 @@
 # every tile by it and finishes those channels of the output.
 #
 # Prepacked filters for few tiles (pack_winograd_few_weights) are the
-# few-tile path's column halves, D^-1 G g, in the order it reads them: 18
+# few-tile path's column halves, H g', in the order it reads them: 18
 # values per filter where U has 36, half of each transform done once.
 
 cdef extern from "winograd_kernel.h":
@@ -67,20 +67,28 @@ cdef extern from "winograd_kernel.h":
     void fc_wino2_output_f64(const double* m, Py_ssize_t sm, Py_ssize_t K, const double* bias,
         int act, int add, double* y, Py_ssize_t syh, Py_ssize_t syw, int rows,
         int cols) noexcept nogil
-    void fc_wino_gcols_f32(Py_ssize_t n, const float* w, Py_ssize_t ts, Py_ssize_t tc,
-        float* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_taps_f32(Py_ssize_t n, const float* w, Py_ssize_t ts, Py_ssize_t tc,
+        float* wl) noexcept nogil
+    void fc_wino_taps_rows_f32(Py_ssize_t n, const float* w, Py_ssize_t rsw, Py_ssize_t C,
+        float* wl) noexcept nogil
     void fc_wino_gcols_rows_f32(Py_ssize_t n, const float* w, Py_ssize_t rsw, Py_ssize_t C,
         float* tb, Py_ssize_t ldi) noexcept nogil
     void fc_wino_scale_vt_f32(Py_ssize_t n, int i, float* vt) noexcept nogil
     void fc_wino_scale_vt_f64(Py_ssize_t n, int i, double* vt) noexcept nogil
     void fc_wino_few_f32(Py_ssize_t n, const float* tb, const float* vt, float* m,
         Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
-    void fc_wino_gcols_f64(Py_ssize_t n, const double* w, Py_ssize_t ts, Py_ssize_t tc,
-        double* tb, Py_ssize_t ldi) noexcept nogil
+    void fc_wino_few_taps_f32(int i, Py_ssize_t n, const float* wl, const float* vt, float* m,
+        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
+    void fc_wino_taps_f64(Py_ssize_t n, const double* w, Py_ssize_t ts, Py_ssize_t tc,
+        double* wl) noexcept nogil
+    void fc_wino_taps_rows_f64(Py_ssize_t n, const double* w, Py_ssize_t rsw, Py_ssize_t C,
+        double* wl) noexcept nogil
     void fc_wino_gcols_rows_f64(Py_ssize_t n, const double* w, Py_ssize_t rsw, Py_ssize_t C,
         double* tb, Py_ssize_t ldi) noexcept nogil
     void fc_wino_few_f64(Py_ssize_t n, const double* tb, const double* vt, double* m,
         Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
+    void fc_wino_few_taps_f64(int i, Py_ssize_t n, const double* wl, const double* vt,
+        double* m, Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     enum:
         WINO_FEW_TILES "FC_WINO_FEW_TILES"
 
@@ -567,12 +575,12 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # zero tiles); halves: NULL, or the column halves packed by
     # wino_pack_column_halves, read in place of w's transform.  V of every
     # tile first, group by group (group, point, tile, c), then regrouped per
-    # group and row i of points as vt[c][j][q] (C x 6Q) and scaled to D V D
-    # (for the filters' scaled transform, FC_WINO_G_SCALED); then each task,
+    # group and row i of points as vt[c][j][q] (C x 6Q) and scaled to S V S
+    # (for the filters' factored transform, FC_WINO_FEW_H); then each task,
     # one NR panel of output channels, takes a vector of output channels and
-    # a k-block at a time: the column half of their filters' transform into
-    # tb (per thread; or the packed halves), then each group's rows of
-    # points into M (point, tile, OC).
+    # a k-block at a time: their filters' scaled taps into wl (per thread;
+    # or the packed halves), then each group's rows of points into M
+    # (point, tile, OC).
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t TB = 64 // sizeof(real)
@@ -586,21 +594,22 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
     cdef Py_ssize_t sv = Q * ldv, sg = 36 * sv, sm = groups * Q * ldm
-    cdef Py_ssize_t ldi = kc_max * 3 * VL, tb_size = 6 * ldi, svt = 6 * Q * C
+    cdef Py_ssize_t wl_size = kc_max * 9 * VL, svt = 6 * Q * C
     cdef real* v = <real*>aligned_malloc(groups * sg * sizeof(real))
     cdef real* vt = <real*>aligned_malloc(groups * 6 * svt * sizeof(real))
     cdef real* m = <real*>aligned_malloc(36 * sm * sizeof(real))
-    cdef real* tbs = <real*>aligned_malloc((1 if halves != NULL else nt * tb_size) * sizeof(real))
-    if v == NULL or vt == NULL or m == NULL or tbs == NULL:
+    cdef real* wls = <real*>aligned_malloc((1 if halves != NULL else nt * wl_size) * sizeof(real))
+    if v == NULL or vt == NULL or m == NULL or wls == NULL:
         aligned_free(v)
         aligned_free(vt)
         aligned_free(m)
-        aligned_free(tbs)
+        aligned_free(wls)
         free(blocks)
         return -1
-    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb, ldt
+    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
     cdef Py_ssize_t n_cb = cdiv(C, TB)
-    cdef real* tb
+    cdef real* wl
+    cdef const real* tb
     cdef const real* vrow
     if tiles < groups * Q:
         for p in range(36):
@@ -633,34 +642,40 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
             for kb in range(n_kb):
                 kc0 = blocks[kb].k0
                 kcb = blocks[kb].kc
-                # Row i of this block's column halves at tb + i * ldt.
                 if halves != NULL:
-                    tb = <real*>halves + (oc0 + ov) * 18 * C + kc0 * 3 * VL
-                    ldt = 3 * VL * C
-                else:
-                    tb = tbs + threadid() * tb_size
-                    ldt = ldi
-                    if flipped:
+                    # Row i of this block's column halves at tb + i*3*VL*C.
+                    tb = halves + (oc0 + ov) * 18 * C + kc0 * 3 * VL
+                    for gi in range(groups * 6):
+                        i = gi % 6
                         if real is float:
-                            fc_wino_gcols_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw,
-                                              tb, ldi)
+                            fc_wino_few_f32(kcb, tb + i * 3 * VL * C, vt + gi * svt + kc0 * 6 * Q,
+                                            m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
+                                            ldm, kb > 0)
                         else:
-                            fc_wino_gcols_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw,
-                                              tb, ldi)
-                    elif real is float:
-                        fc_wino_gcols_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
+                            fc_wino_few_f64(kcb, tb + i * 3 * VL * C, vt + gi * svt + kc0 * 6 * Q,
+                                            m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
+                                            ldm, kb > 0)
+                    continue
+                wl = wls + threadid() * wl_size
+                if flipped:
+                    if real is float:
+                        fc_wino_taps_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
                     else:
-                        fc_wino_gcols_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, tb, ldi)
+                        fc_wino_taps_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
+                elif real is float:
+                    fc_wino_taps_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
+                else:
+                    fc_wino_taps_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
                 for gi in range(groups * 6):
                     i = gi % 6
                     if real is float:
-                        fc_wino_few_f32(kcb, tb + i * ldt, vt + gi * svt + kc0 * 6 * Q,
-                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
-                                        kb > 0)
+                        fc_wino_few_taps_f32(i, kcb, wl, vt + gi * svt + kc0 * 6 * Q,
+                                             m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
+                                             ldm, kb > 0)
                     else:
-                        fc_wino_few_f64(kcb, tb + i * ldt, vt + gi * svt + kc0 * 6 * Q,
-                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
-                                        kb > 0)
+                        fc_wino_few_taps_f64(i, kcb, wl, vt + gi * svt + kc0 * 6 * Q,
+                                             m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
+                                             ldm, kb > 0)
             ov = ov + VL
         for t in range(tiles):
             wino_output_tile(g, m + t * ldm + oc0, sm, width,
@@ -669,7 +684,7 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     aligned_free(v)
     aligned_free(vt)
     aligned_free(m)
-    aligned_free(tbs)
+    aligned_free(wls)
     free(blocks)
     return 0
 
@@ -786,7 +801,7 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
 
 cdef void wino_pack_column_halves(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssize_t C,
                                   int nt, real* halves) noexcept nogil:
-    # The column halves D^-1 G g of w (OC x 9*C, OHWI rows) as
+    # The column halves H g' of w (OC x 9*C, OHWI rows; see fc_wino_few) as
     # winograd_few_nogil reads them: per vector of VL output channels q, row
     # i (of six), input channel c and column s, the VL values at halves +
     # ((q*6 + i)*C + c)*3*VL + s*VL.
@@ -809,7 +824,7 @@ def winograd_few_pack_applies(Py_ssize_t OC, dtype):
 
 
 def pack_winograd_few_weights(const real[:, ::1] w, int num_threads):
-    """w (OC, 3*3*C) as the few-tile path's column halves (D^-1 G g, 18 x C
+    """w (OC, 3*3*C) as the few-tile path's column halves (H g', 18 x C
     x OC values: half of each filter's transform, U has 36) for this ISA
     build, to pass back as conv2d_winograd(..., packed=, tile=4).  The call
     then runs winograd_few_nogil whatever its tiles, the path for few of

@@ -59,26 +59,6 @@
         r[5] = g[2];                                                            \
     } while (0)
 
-/* r[0..5] = D^-1 G g[0..2], D = diag(fc_wino_g_scale): G's rows divided by
- * their leading entries, (1, +-3/2, 9/4) and (1, +-2/3, 4/9), so that each
- * +- pair costs three FMAs, not five operations.  U' = D^-1 U D^-1, and
- * U . V = U' . (D V D): whoever multiplies by U' scales V instead, once
- * per tile, where U is made once per (input, output) channel pair (the
- * few-tile path, whose filters are transformed in every call). */
-#define FC_WINO_G_SCALED(T, g, r)                                               \
-    do {                                                                        \
-        __typeof__(g[0]) a_ = g[0] + (T)2.25 * g[2];                            \
-        __typeof__(g[0]) c_ = g[0] + (T)(4.0 / 9) * g[2];                       \
-        r[0] = g[0];                                                            \
-        r[1] = a_ + (T)1.5 * g[1];                                              \
-        r[2] = a_ - (T)1.5 * g[1];                                              \
-        r[3] = c_ + (T)(2.0 / 3) * g[1];                                        \
-        r[4] = c_ - (T)(2.0 / 3) * g[1];                                        \
-        r[5] = g[2];                                                            \
-    } while (0)
-static const double fc_wino_g_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
-                                          -81.0 / 130, 1.0};
-
 /* r[0..3] = A^T m[0..5] */
 #define FC_WINO_AT(T, m, r)                                                     \
     do {                                                                        \
@@ -280,27 +260,80 @@ static const double fc_wino_g_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
     }
 
 /* F(4x4) for few tiles with filters transformed per call (a 7x7 image at
- * batch 1 has 4): each point of U' = D^-1 G g G^T D^-1 (FC_WINO_G_SCALED)
- * would be used by that few rows of V only, so it is never stored; the
- * column half, D^-1 G g (6 x 3 per filter), is, and each row of points is
- * finished in registers next to the products that use it, once per group
- * of FC_WINO_FEW_TILES tiles.
+ * batch 1 has 4): each point of U would be used by that few rows of V
+ * only, so it is never stored; each row of points is finished in
+ * registers next to the products that use it, once per group of
+ * FC_WINO_FEW_TILES tiles.
  *
- * fc_wino_scale_vt: D V D, for n channels of row i of a group's V as
+ * Its transform is G factored as S H Lam, where each factor has a job:
+ * - S = diag(fc_wino_few_scale), G's rows' leading entries (and 4/9 for
+ *   the last): U . V = (H g' H^T) . (S V S), so S moves to V, scaled
+ *   once per tile where U is made once per channel pair;
+ * - Lam = diag(1, 3/2, 9/4) scales the filter's rows and columns, g' =
+ *   Lam g Lam: one multiply a tap, folded into the transposes that bring
+ *   the taps in;
+ * - which leaves H's rows 1 and 2, (1, +-1, 1), additions only.  The rows' scalar
+ * multiplies are kept apart from their additions (FC_WINO_NO_CONTRACT):
+ * the FMA pipes carry the products, the additions run beside them
+ * (measured, 512->512 @7: the products 0.49 -> 0.39 ms with the taps read
+ * raw, 0.45 with FMAs for H).
+ *
+ * fc_wino_scale_vt: S V S, for n channels of row i of a group's V as
  * fc_wino_few reads it (below).
- * fc_wino_gcols: D^-1 G g of n input channels of VL output channels (tap
- * t of channel c at w + c*tc + t*ts, the output channels contiguous): row
- * i, column s of channel c at tb + i*ldi + (c*3 + s)*VL.
- * fc_wino_gcols_rows: the same from VL rows of a (OC x 9*C) OHWI weight
+ * fc_wino_taps: the scaled taps g' of n input channels of VL output
+ * channels (tap t of channel c at w + c*tc + t*ts, the output channels
+ * contiguous) to wl + (c*9 + t)*VL.
+ * fc_wino_taps_rows: the same from VL rows of a (OC x 9*C) OHWI weight
  * (channel c of tap t of row o at w + o*rsw + t*C + c), transposed through
- * an L1 block of FC_TB channels at a time.
- * fc_wino_few: row i's six points U'_ij (one 1-D transform of tb's row)
- * times the D V D of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of
+ * registers a square at a time.
+ * fc_wino_gcols_rows: the column halves H g' (6 x 3 per filter) of those
+ * rows: row i, column s of channel c at tb + i*ldi + (c*3 + s)*VL, for
+ * prepacked filters (the same values fc_wino_few_taps computes per row).
+ * fc_wino_few: row i's six points (one 1-D transform of tb's row) times
+ * the S V S of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of
  * tile q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
  * contiguous, so that one pointer walks them all: 24 row pointers ran out
  * of registers and reloaded their offsets from the stack), added into
- * m[j*sm + q*ldm] when add, else stored there. */
+ * m[j*sm + q*ldm] when add, else stored there.
+ * fc_wino_few_taps: the same from the scaled taps at wl, row i's column
+ * half made in registers (no column halves stored: their 18 stores a
+ * channel took longer than the three additions or FMAs a row makes). */
 enum { FC_WINO_FEW_TILES = 4 };
+static const double fc_wino_few_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
+                                            -81.0 / 130, 4.0 / 9};
+static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
+
+/* Keeps x a value of its own: GCC otherwise fuses a multiply used by two
+ * additions into two FMAs. */
+#if defined(__x86_64__) || defined(__i386__)
+#define FC_WINO_NO_CONTRACT(x) __asm__("" : "+v"(x))
+#elif defined(__aarch64__)
+#define FC_WINO_NO_CONTRACT(x) __asm__("" : "+w"(x))
+#else
+#define FC_WINO_NO_CONTRACT(x) ((void)0)
+#endif
+
+/* r = row i (a constant) of H times g[0..2]: H = (1 0 0; 1 1 1; 1 -1 1;
+ * 1 4/9 16/81; 1 -4/9 16/81; 0 0 1). */
+#define FC_WINO_FEW_ROW(T, i, g0, g1, g2, r)                                    \
+    do {                                                                        \
+        if ((i) == 0) r = (g0);                                                 \
+        else if ((i) == 5) r = (g2);                                            \
+        else if ((i) == 1) r = ((g0) + (g2)) + (g1);                            \
+        else if ((i) == 2) r = ((g0) + (g2)) - (g1);                            \
+        else {                                                                  \
+            __typeof__(r) a_ = (g0) + (T)(16.0 / 81) * (g2);                    \
+            __typeof__(r) e_ = (T)(4.0 / 9) * (g1);                             \
+            FC_WINO_NO_CONTRACT(e_);                                            \
+            r = (i) == 3 ? a_ + e_ : a_ - e_;                                   \
+        }                                                                       \
+    } while (0)
+
+#define FC_WINO_FEW_H(T, g, r)                                                  \
+    do {                                                                        \
+        FC_UNROLL for (int h_ = 0; h_ < 6; h_++)                                \
+            FC_WINO_FEW_ROW(T, h_, g[0], g[1], g[2], r[h_]);                    \
+    } while (0)
 
 #define FC_DEFINE_WINOGRAD_FEW(SUFFIX, T)                                       \
     static void fc_wino_scale_vt_##SUFFIX(ptrdiff_t n, int i, T *vt)            \
@@ -308,37 +341,31 @@ enum { FC_WINO_FEW_TILES = 4 };
         enum { Q = FC_WINO_FEW_TILES };                                         \
         T s_[6 * Q];                                                            \
         for (int j = 0; j < 6 * Q; j++)                                         \
-            s_[j] = (T)(fc_wino_g_scale[i] * fc_wino_g_scale[j / Q]);           \
+            s_[j] = (T)(fc_wino_few_scale[i] * fc_wino_few_scale[j / Q]);       \
         for (ptrdiff_t c = 0; c < n; c++)                                       \
             FC_UNROLL for (int j = 0; j < 6 * Q; j++) vt[c * 6 * Q + j] *= s_[j]; \
     }                                                                           \
                                                                                 \
-    static inline void fc_wino_gcols_##SUFFIX(                                  \
-        ptrdiff_t n, const T *w, ptrdiff_t ts, ptrdiff_t tc, T *restrict tb,    \
-        ptrdiff_t ldi)                                                          \
+    static void fc_wino_taps_##SUFFIX(ptrdiff_t n, const T *w, ptrdiff_t ts,    \
+                                      ptrdiff_t tc, T *restrict wl)             \
     {                                                                           \
         typedef fc_vec_##SUFFIX V;                                              \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
-        for (ptrdiff_t c = 0; c < n; c++) {                                     \
-            V g_[3][3], col_[3], out_[6];                                       \
-            FC_UNROLL for (int t = 0; t < 9; t++)                               \
-                memcpy(&g_[t / 3][t % 3], w + c * tc + t * ts, sizeof(V));      \
-            FC_UNROLL for (int s = 0; s < 3; s++) {                             \
-                FC_UNROLL for (int r = 0; r < 3; r++) col_[r] = g_[r][s];       \
-                FC_WINO_G_SCALED(T, col_, out_);                                \
-                FC_UNROLL for (int i = 0; i < 6; i++)                           \
-                    memcpy(tb + i * ldi + (c * 3 + s) * VL, &out_[i],           \
-                           sizeof(V));                                          \
+        for (ptrdiff_t c = 0; c < n; c++)                                       \
+            FC_UNROLL for (int t = 0; t < 9; t++) {                             \
+                V g_;                                                           \
+                memcpy(&g_, w + c * tc + t * ts, sizeof(V));                    \
+                g_ *= (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3]);     \
+                memcpy(wl + (c * 9 + t) * VL, &g_, sizeof(V));                  \
             }                                                                   \
-        }                                                                       \
     }                                                                           \
                                                                                 \
-    static void fc_wino_gcols_rows_##SUFFIX(                                    \
-        ptrdiff_t n, const T *w, ptrdiff_t rsw, ptrdiff_t C, T *restrict tb,    \
-        ptrdiff_t ldi)                                                          \
+    static void fc_wino_taps_rows_##SUFFIX(ptrdiff_t n, const T *w,             \
+                                           ptrdiff_t rsw, ptrdiff_t C,          \
+                                           T *restrict wl)                      \
     {                                                                           \
+        typedef fc_vec_##SUFFIX V;                                              \
         enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
-        T wl[9 * TB * VL] __attribute__((aligned(64)));                         \
         for (ptrdiff_t c0 = 0; c0 < n; c0 += TB) {                              \
             ptrdiff_t nc = n - c0 < TB ? n - c0 : TB;                           \
             if (nc == TB && VL == TB) {                                         \
@@ -349,18 +376,51 @@ enum { FC_WINO_FEW_TILES = 4 };
                         FC_UNROLL for (int q = 0; q < TB; q += SQ)              \
                             fc_transpose_sq_##SUFFIX(                           \
                                 w + o * rsw + t * C + c0 + q, rsw,              \
-                                wl + t * TB * VL + q * VL + o, VL);             \
-            } else                                                              \
-                for (int t = 0; t < 9; t++)   /* VL <= TB: one block a tap */   \
-                    fc_transpose_block_##SUFFIX(0, VL, 0, nc, w + t * C + c0, rsw, \
-                                                wl + t * TB * VL, VL);          \
-            fc_wino_gcols_##SUFFIX(nc, wl, TB * VL, VL, tb + c0 * 3 * VL, ldi); \
+                                wl + ((c0 + q) * 9 + t) * VL + o, 9 * VL,       \
+                                (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3])); \
+                continue;                                                       \
+            }                                                                   \
+            for (int t = 0; t < 9; t++)   /* VL <= TB: one block a tap */       \
+                fc_transpose_block_##SUFFIX(0, VL, 0, nc, w + t * C + c0, rsw,  \
+                                            wl + (c0 * 9 + t) * VL, 9 * VL);    \
+            for (ptrdiff_t c = c0; c < c0 + nc; c++)                            \
+                FC_UNROLL for (int t = 0; t < 9; t++) {                         \
+                    V g_;                                                       \
+                    memcpy(&g_, wl + (c * 9 + t) * VL, sizeof(V));              \
+                    g_ *= (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3]); \
+                    memcpy(wl + (c * 9 + t) * VL, &g_, sizeof(V));              \
+                }                                                               \
         }                                                                       \
     }                                                                           \
                                                                                 \
-    static void fc_wino_few_##SUFFIX(                                           \
-        ptrdiff_t n, const T *tb, const T *vt, T *m, ptrdiff_t sm,              \
-        ptrdiff_t ldm, int add)                                                 \
+    static void fc_wino_gcols_rows_##SUFFIX(                                    \
+        ptrdiff_t n, const T *w, ptrdiff_t rsw, ptrdiff_t C, T *restrict tb,    \
+        ptrdiff_t ldi)                                                          \
+    {                                                                           \
+        typedef fc_vec_##SUFFIX V;                                              \
+        enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
+        T wl[9 * TB * VL] __attribute__((aligned(64)));                         \
+        for (ptrdiff_t c0 = 0; c0 < n; c0 += TB) {                              \
+            ptrdiff_t nc = n - c0 < TB ? n - c0 : TB;                           \
+            fc_wino_taps_rows_##SUFFIX(nc, w + c0, rsw, C, wl);                 \
+            for (ptrdiff_t c = 0; c < nc; c++)                                  \
+                FC_UNROLL for (int s = 0; s < 3; s++) {                         \
+                    V g_[3], out_[6];                                           \
+                    FC_UNROLL for (int r = 0; r < 3; r++)                       \
+                        memcpy(&g_[r], wl + (c * 9 + r * 3 + s) * VL, sizeof(V)); \
+                    FC_WINO_FEW_H(T, g_, out_);                                 \
+                    FC_UNROLL for (int i = 0; i < 6; i++)                       \
+                        memcpy(tb + i * ldi + ((c0 + c) * 3 + s) * VL, &out_[i], \
+                               sizeof(V));                                      \
+                }                                                               \
+        }                                                                       \
+    }                                                                           \
+                                                                                \
+    /* Row i (a constant) of points for n channels: from the scaled taps at   \
+       src (taps) or the column halves (not taps). */                          \
+    static inline __attribute__((always_inline)) void fc_wino_few_row_##SUFFIX( \
+        const int i, const int taps, ptrdiff_t n, const T *src, const T *vt,    \
+        T *m, ptrdiff_t sm, ptrdiff_t ldm, int add)                             \
     {                                                                           \
         typedef fc_vec_##SUFFIX V;                                              \
         enum { VL = FC_VBYTES / sizeof(T), Q = FC_WINO_FEW_TILES };             \
@@ -369,9 +429,17 @@ enum { FC_WINO_FEW_TILES = 4 };
             FC_UNROLL for (int q = 0; q < Q; q++) acc[j][q] = (V){0};           \
         for (ptrdiff_t c = 0; c < n; c++) {                                     \
             V t_[3], u_[6];                                                     \
-            FC_UNROLL for (int s = 0; s < 3; s++)                               \
-                memcpy(&t_[s], tb + (c * 3 + s) * VL, sizeof(V));               \
-            FC_WINO_G_SCALED(T, t_, u_);                                        \
+            FC_UNROLL for (int s = 0; s < 3; s++) {                             \
+                if (taps) {                                                     \
+                    V g0_, g1_, g2_;                                            \
+                    memcpy(&g0_, src + (c * 9 + s) * VL, sizeof(V));            \
+                    memcpy(&g1_, src + (c * 9 + 3 + s) * VL, sizeof(V));        \
+                    memcpy(&g2_, src + (c * 9 + 6 + s) * VL, sizeof(V));        \
+                    FC_WINO_FEW_ROW(T, i, g0_, g1_, g2_, t_[s]);                \
+                } else                                                          \
+                    memcpy(&t_[s], src + (c * 3 + s) * VL, sizeof(V));          \
+            }                                                                   \
+            FC_WINO_FEW_H(T, t_, u_);                                           \
             FC_UNROLL for (int j = 0; j < 6; j++)                               \
                 FC_UNROLL for (int q = 0; q < Q; q++) {                         \
                     T x_;                                                       \
@@ -390,6 +458,26 @@ enum { FC_WINO_FEW_TILES = 4 };
                 }                                                               \
                 memcpy(m + j * sm + q * ldm, &acc[j][q], sizeof(V));            \
             }                                                                   \
+    }                                                                           \
+                                                                                \
+    static void fc_wino_few_##SUFFIX(ptrdiff_t n, const T *tb, const T *vt,     \
+                                     T *m, ptrdiff_t sm, ptrdiff_t ldm, int add) \
+    {                                                                           \
+        fc_wino_few_row_##SUFFIX(0, 0, n, tb, vt, m, sm, ldm, add);             \
+    }                                                                           \
+                                                                                \
+    static void fc_wino_few_taps_##SUFFIX(int i, ptrdiff_t n, const T *wl,      \
+                                          const T *vt, T *m, ptrdiff_t sm,      \
+                                          ptrdiff_t ldm, int add)               \
+    {                                                                           \
+        switch (i) {                                                            \
+        case 0: fc_wino_few_row_##SUFFIX(0, 1, n, wl, vt, m, sm, ldm, add); break; \
+        case 1: fc_wino_few_row_##SUFFIX(1, 1, n, wl, vt, m, sm, ldm, add); break; \
+        case 2: fc_wino_few_row_##SUFFIX(2, 1, n, wl, vt, m, sm, ldm, add); break; \
+        case 3: fc_wino_few_row_##SUFFIX(3, 1, n, wl, vt, m, sm, ldm, add); break; \
+        case 4: fc_wino_few_row_##SUFFIX(4, 1, n, wl, vt, m, sm, ldm, add); break; \
+        default: fc_wino_few_row_##SUFFIX(5, 1, n, wl, vt, m, sm, ldm, add);    \
+        }                                                                       \
     }
 
 #define FC_DEFINE_WINOGRAD(SUFFIX, T, ITYPE)                                    \
