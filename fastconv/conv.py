@@ -244,7 +244,7 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     if not prepacked or _winograd_tiles(N, geo) > 4:
         return 4
     if (Cg * OCg >= 128 * 256 and _winograd_tiles(N, geo, 2) >= 12
-            and _dispatch.kernels.winograd_few_pack_applies(OCg, dtype)):
+            and _dispatch.kernels.winograd_few_applies(OCg, dtype)):
         return "few"
     return 2
 
@@ -254,9 +254,12 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
 #: thread transforms a panel of filters at a time and multiplies every tile
 #: by it from L2.
 _FUSED_MAX_TILES = 64
+#: ...and of at most this many, the few-tile path where it applies
+#: (WINO_FEW_MAX_TILES, winograd_few_applies): no transformed filter stored.
+_FEW_MAX_TILES = 8
 
 
-def _winograd_pays(N, geo, Cg, OCg, prepacked):
+def _winograd_pays(N, geo, Cg, OCg, prepacked, dtype="float32"):
     """Whether Winograd beats implicit GEMM for this 3x3 stride-1 layer (per
     group).  Measured on Zen 4, 2 threads (benchmarks/README.md,
     "Winograd"): with prepacked filters it ran 2-4x faster on every ResNet
@@ -275,11 +278,24 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked):
     8 tiles, AVX-512: U never stored), in one process: 512->512 @7 b1
     458/444 vs 386/370, 256->256 @7 b1 373/358 vs 351/345; below 256x256
     channels the rule stands: 128->128 @7 b1 268/255 vs 253/238 (a tie in
-    the noise), 64->128 @7 b1 203/197 vs 252/238."""
+    the noise), 64->128 @7 b1 203/197 vs 252/238.  Zen 4, after the few-tile
+    path made its rows of points from the raw taps (session 28), in one
+    process, best/median ms Winograd vs implicit: b1 @7 128->128
+    0.073/0.078 vs 0.092/0.102, 128->256 0.130/0.145 vs 0.204/0.214,
+    256->128 0.141/0.159 vs 0.192/0.221, 128->96 0.080/0.081 vs
+    0.099/0.105, b2 @7 128->128 0.098/0.116 vs 0.157/0.175, float64 b1 @7
+    128->128 0.120/0.124 vs 0.222/0.234; still not with fewer channels (64->128
+    0.082/0.089 vs 0.067/0.075, 96->128 a tie) nor where less than half of
+    its 4x4 tiles' outputs are in the image (128->128 @5 b1 0.066 vs 0.058,
+    b2 0.097 vs 0.093; @6 b1 0.067 vs 0.073, b2 0.095 vs 0.143)."""
     if Cg < 16 or OCg < 16:
         return False
     tiles = _winograd_tiles(N, geo)
     if prepacked:
+        return True
+    if (tiles <= _FEW_MAX_TILES and Cg * OCg >= 128 * 128
+            and 2 * N * geo.out_hw[0] * geo.out_hw[1] >= 16 * tiles
+            and _dispatch.kernels.winograd_few_applies(OCg, dtype)):
         return True
     if 4 <= tiles <= _FUSED_MAX_TILES and Cg * OCg >= 256 * 256:
         return True
@@ -357,7 +373,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
             if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
             return "gemm1x1"
-        if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked):
+        if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked,
+                                                dtype):
             return "winograd"
         return "implicit"
     reason = _inapplicable(algorithm, groups, C, OC, geo, in_hw)
@@ -505,7 +522,8 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     OC = w2d.shape[0]
     if 0 not in in_shape and dy.size and _is_winograd(geo):
         flipped = _flipped_geometry(geo, in_shape[1:3])
-        if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False):
+        if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False,
+                          str(dy.dtype)):
             return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape)
     kernels, nt = _dispatch.kernels, get_num_threads()
     if (_is_pointwise(geo, in_shape[1:3]) and not _is_depthwise(groups, C)

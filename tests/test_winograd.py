@@ -499,8 +499,8 @@ def test_packed_winograd_filters(isa, tile):
     (8, 14, 256, 256, 1, False, "winograd"),
     (1, 7, 512, 512, 1, False, "winograd"),     # 4 tiles, filters fused per call
     (1, 7, 512, 512, 1, True, "winograd"),
-    (1, 7, 128, 128, 1, False, "implicit"),     # 4 tiles: too few for 128x128 channels
-    (1, 7, 128, 128, 1, True, "winograd"),      # ...unless transformed once
+    (1, 7, 96, 128, 1, False, "implicit"),      # 4 tiles: too few for 96x128 channels
+    (1, 7, 96, 128, 1, True, "winograd"),       # ...unless transformed once
     (1, 224, 3, 64, 1, False, "implicit"),      # 3 channels: GEMMs too shallow
     (1, 56, 8, 8, 1, True, "implicit"),         # 8 channels: even prepacked
     (1, 14, 512, 512, 1, False, "winograd"),    # 16 tiles, fused
@@ -516,6 +516,37 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     geo = fastconv.conv._Geometry((3, 3), (stride, stride), (1, 1), (1, 1),
                                   (-(-H // stride),) * 2)
     got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked)
+    assert got == expected
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("N, H, C, OC, dilation, few", [
+    (1, 7, 128, 128, 1, True),      # 4 tiles, 49 of their 64 outputs in the image
+    (1, 7, 256, 128, 1, True),
+    (2, 7, 128, 256, 1, True),      # 8 tiles
+    (1, 6, 128, 128, 1, True),      # 36 of 64
+    (1, 7, 128, 128, 2, True),      # 4 dilation phases of one tile
+    (1, 5, 128, 128, 1, False),     # 25 of 64: implicit
+    (2, 5, 128, 128, 1, False),
+    (1, 7, 64, 128, 1, False),      # too few channels
+    (1, 7, 128, 136, 1, None),      # 136 output channels: whole vectors in float64 only
+    (3, 7, 128, 128, 1, False),     # 12 tiles: past the few-tile path (and the 256x256
+                                    # channels the fused path needs)
+])
+def test_auto_takes_few_tile_winograd_per_call(isa, dtype, N, H, C, OC, dilation, few):
+    """Per call, auto takes Winograd for layers of at most 8 tiles from
+    128x128 channels where the kernels' few-tile path runs them (AVX-512,
+    output channels in whole vectors) and at least half of the tiles'
+    outputs are in the image; elsewhere implicit GEMM, as before that path
+    made its filters' rows from the raw taps."""
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
+                                  (H, H))
+    if few is None:
+        few = dtype == "float64"
+    expected = "winograd" if few and isa == "avx512" else "implicit"
+    with fastconv._dispatch.use_isa(isa):
+        got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), False, dtype)
     assert got == expected
 
 

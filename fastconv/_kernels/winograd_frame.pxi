@@ -815,9 +815,10 @@ cdef void wino_pack_column_halves(const real* w, Py_ssize_t rsw, Py_ssize_t OC, 
                                    3 * VL * C)
 
 
-def winograd_few_pack_applies(Py_ssize_t OC, dtype):
-    """Whether pack_winograd_few_weights packs filters of OC output channels
-    in this build (AVX-512, OC a multiple of a vector)."""
+def winograd_few_applies(Py_ssize_t OC, dtype):
+    """Whether the few-tile path runs for OC output channels in this build
+    (AVX-512, OC a multiple of a vector): per call for layers of at most
+    WINO_FEW_MAX_TILES tiles, and from pack_winograd_few_weights' filters."""
     if dtype == "float32":
         return wino_few_fits(OC, <float>0)
     return wino_few_fits(OC, <double>0)
@@ -829,7 +830,7 @@ def pack_winograd_few_weights(const real[:, ::1] w, int num_threads):
     build, to pass back as conv2d_winograd(..., packed=, tile=4).  The call
     then runs winograd_few_nogil whatever its tiles, the path for few of
     them (a 7x7 image at batch 1).  AVX-512 builds, OC a multiple of a
-    vector (winograd_few_pack_applies)."""
+    vector (winograd_few_applies)."""
     cdef Py_ssize_t OC = w.shape[0], C = w.shape[1] // 9
     if C * 9 != w.shape[1] or C == 0 or OC == 0:
         raise ValueError(f"w must be (OC, 3*3*C) with OC, C >= 1; got {tuple(w.shape)[:2]}")
