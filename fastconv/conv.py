@@ -220,17 +220,21 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     - "few": F(4x4) by the kernels' few-tile path from packed column halves
       (pack_winograd_few_weights: 18 x C x OC values, each filter's
       transform half done), on AVX-512 with output channels in whole
-      vectors, for 128x256 channels and more and images that F(2x2) cuts
+      vectors, for 128x128 channels and more and images that F(2x2) cuts
       into at least 12 tiles.  Zen 4, 2 threads, one process alternating,
       best / median ms, few vs F(2x2), batch 1: 512->512 @7 0.53 / 0.70 vs
       0.65 / 0.80, @8 0.49 / 0.53 vs 0.64 / 0.66, 256->512 @8 0.253 / 0.256
       vs 0.335 / 0.339, 256->256 @7 0.149 / 0.158 vs 0.182 / 0.195,
       128->256 @7 0.088 / 0.090 vs 0.105 / 0.106.  The few-tile path
       computes tiles four at a time, so with fewer F(2x2) tiles it loses:
-      512->512 @6 (9 of them) 0.50 vs 0.38, @4 (4) 0.50 vs 0.18.  Below
-      128x256 channels it ran 0.8-1.2x (64->128 @7 0.054 vs 0.043, 64->64
-      0.037 vs 0.045).  At batch 2 (8 tiles) it tied with F(4x4)'s packed U
-      (1.00 / 1.11 vs 1.00 / 1.06 ms).
+      512->512 @6 (9 of them) 0.50 vs 0.38, @4 (4) 0.50 vs 0.18.  Session
+      28's factored transform (additions beside the FMAs): 512->512 @7
+      0.46 / 0.52 vs 0.65 / 0.69, and down to 128x128 channels it won too
+      (@7: 128->128 0.055 vs 0.065, 64->256 0.054 vs 0.066, 96->192 0.057 vs
+      0.069, 256->64 0.065 vs 0.068); below, it still lost (64->128 0.051
+      vs 0.043, 128->64 0.054 vs 0.044), though 64->64 won (0.036 vs
+      0.046).  At batch 2 (8 tiles) it tied with F(4x4)'s packed U (1.00 /
+      1.11 vs 1.00 / 1.06 ms).
     - 2 otherwise: F(2x2, 3x3), whose 16 x C x OC pay for its 1.8x the
       multiplications.  Measured, 2 threads, prepacked 512->512: @7 batch 1
       302 vs 273 GFLOPS median (best 348 vs 355) against F(4x4), and in
@@ -243,7 +247,7 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     215/203 GFLOPS best/median."""
     if not prepacked or _winograd_tiles(N, geo) > 4:
         return 4
-    if (Cg * OCg >= 128 * 256 and _winograd_tiles(N, geo, 2) >= 12
+    if (Cg * OCg >= 128 * 128 and _winograd_tiles(N, geo, 2) >= 12
             and _dispatch.kernels.winograd_few_applies(OCg, dtype)):
         return "few"
     return 2
