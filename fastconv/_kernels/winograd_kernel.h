@@ -272,17 +272,20 @@
  * - Lam = diag(1, 3/2, 9/4) scales the filter's rows and columns, g' =
  *   Lam g Lam: one multiply a tap, folded into the transposes that bring
  *   the taps in;
- * - which leaves H's rows 1 and 2, (1, +-1, 1), additions only.  The rows' scalar
- * multiplies are kept apart from their additions (FC_WINO_NO_CONTRACT):
- * the FMA pipes carry the products, the additions run beside them
- * (measured, 512->512 @7: the products 0.49 -> 0.39 ms with the taps read
- * raw, 0.45 with FMAs for H).
+ * - which leaves H's rows 1 and 2, (1, +-1, 1), additions only.
+ * H's other multiplies are kept apart from their additions
+ * (FC_WINO_NO_CONTRACT), so that the FMA pipes carry the products and the
+ * adders work beside them.  Measured in a harness (512->512 @7 batch 1, 2
+ * threads, Zen 4): the products from raw taps 0.49 ms with G's rows scaled
+ * to a leading 1 (three FMAs a +- pair), 0.45 with their multiplies kept
+ * apart, 0.39 by H; the transposes and products together 0.67 ms with the
+ * column halves stored (below), 0.56 from raw taps by H.
  *
  * fc_wino_scale_vt: S V S, for n channels of row i of a group's V as
  * fc_wino_few reads it (below).
  * fc_wino_taps: the scaled taps g' of n input channels of VL output
  * channels (tap t of channel c at w + c*tc + t*ts, the output channels
- * contiguous) to wl + (c*9 + t)*VL.
+ * contiguous) to wl + (c*9 + t)*VL (wl may be w, scaled in place).
  * fc_wino_taps_rows: the same from VL rows of a (OC x 9*C) OHWI weight
  * (channel c of tap t of row o at w + o*rsw + t*C + c), transposed through
  * registers a square at a time.
@@ -347,7 +350,7 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
     }                                                                           \
                                                                                 \
     static void fc_wino_taps_##SUFFIX(ptrdiff_t n, const T *w, ptrdiff_t ts,    \
-                                      ptrdiff_t tc, T *restrict wl)             \
+                                      ptrdiff_t tc, T *wl)                      \
     {                                                                           \
         typedef fc_vec_##SUFFIX V;                                              \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
@@ -364,7 +367,6 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
                                            ptrdiff_t rsw, ptrdiff_t C,          \
                                            T *restrict wl)                      \
     {                                                                           \
-        typedef fc_vec_##SUFFIX V;                                              \
         enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
         for (ptrdiff_t c0 = 0; c0 < n; c0 += TB) {                              \
             ptrdiff_t nc = n - c0 < TB ? n - c0 : TB;                           \
@@ -383,13 +385,8 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
             for (int t = 0; t < 9; t++)   /* VL <= TB: one block a tap */       \
                 fc_transpose_block_##SUFFIX(0, VL, 0, nc, w + t * C + c0, rsw,  \
                                             wl + (c0 * 9 + t) * VL, 9 * VL);    \
-            for (ptrdiff_t c = c0; c < c0 + nc; c++)                            \
-                FC_UNROLL for (int t = 0; t < 9; t++) {                         \
-                    V g_;                                                       \
-                    memcpy(&g_, wl + (c * 9 + t) * VL, sizeof(V));              \
-                    g_ *= (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3]); \
-                    memcpy(wl + (c * 9 + t) * VL, &g_, sizeof(V));              \
-                }                                                               \
+            /* ...then scaled in place. */                                      \
+            fc_wino_taps_##SUFFIX(nc, wl + c0 * 9 * VL, VL, 9 * VL, wl + c0 * 9 * VL); \
         }                                                                       \
     }                                                                           \
                                                                                 \
