@@ -788,8 +788,10 @@ class BatchNorm2d(Module):
 
     Training: normalise by the batch mean and biased variance, and update
     running_mean / running_var (unbiased variance) as (1 - momentum) *
-    running + momentum * batch.  Evaluation: normalise by the running
-    statistics (by the batch's if track_running_stats is False).
+    running + momentum * batch; momentum=None takes the cumulative average
+    instead (momentum 1 / num_batches_tracked, the training batches counted
+    so far).  Evaluation: normalise by the running statistics (by the
+    batch's if track_running_stats is False).
     Statistics and parameter gradients are summed in float64 whatever the
     dtype: float32 sums over many pixels lose digits.
     """
@@ -802,6 +804,7 @@ class BatchNorm2d(Module):
         self.bias = Parameter(np.zeros(num_features, dtype)) if affine else None
         self.running_mean = np.zeros(num_features, dtype) if track_running_stats else None
         self.running_var = np.ones(num_features, dtype) if track_running_stats else None
+        self.num_batches_tracked = 0 if track_running_stats else None
 
     def _running_inv_std(self):
         return 1.0 / np.sqrt(self.running_var.astype(np.float64) + self.eps)
@@ -845,9 +848,12 @@ class BatchNorm2d(Module):
     def _update_statistics(self, mean, var, count):
         """Training: the running statistics take the batch's mean and
         (unbiased) variance by momentum (an empty batch leaves them, as in
-        torch).  Returns the batch's 1/std."""
+        torch, but is counted, as torch counts it).  Returns the batch's
+        1/std."""
+        if self.training and self.running_mean is not None:
+            self.num_batches_tracked += 1
         if self.training and self.running_mean is not None and count:
-            m = self.momentum
+            m = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
             unbiased_var = var * count / max(count - 1, 1)
             self.running_mean[...] = (1 - m) * self.running_mean + m * mean
             self.running_var[...] = (1 - m) * self.running_var + m * unbiased_var
@@ -1239,8 +1245,9 @@ def load_torch_state_dict(module, state_dict, strict=True):
     Sequential children by index).  Conv weights are transposed from OIHW
     to OHWI (transposed convs from (I, O/g, KH, KW) to (I, KH, KW, O/g));
     Linear and BatchNorm tensors load as they are; BatchNorm's
-    ``num_batches_tracked`` is ignored.  Values are cast to the module's
-    dtype.  Returns module.
+    ``num_batches_tracked`` sets its count of training batches (which
+    momentum=None averages over; absent, the count is left).  Values are
+    cast to the module's dtype.  Returns module.
 
     Example (the exporting side needs torch, the loading side does not)::
 
@@ -1259,6 +1266,8 @@ def load_torch_state_dict(module, state_dict, strict=True):
             state = {name: archive[name] for name in archive.files}
     else:
         state = {name: _as_numpy(value) for name, value in state_dict.items()}
+    counts = {name.rpartition(".")[0]: int(value) for name, value in state.items()
+              if name.rsplit(".", 1)[-1] == "num_batches_tracked"}
     state = {name: value for name, value in state.items()
              if name.rsplit(".", 1)[-1] != "num_batches_tracked"}
     for name, axes in _torch_layout_axes(module).items():
@@ -1268,6 +1277,9 @@ def load_torch_state_dict(module, state_dict, strict=True):
                                  f"got shape {state[name].shape}")
             state[name] = state[name].transpose(axes)
     module.load_state_dict(state, strict=strict)
+    for prefix, child in module.named_modules():
+        if prefix in counts and getattr(child, "num_batches_tracked", None) is not None:
+            child.num_batches_tracked = counts[prefix]
     return module
 
 

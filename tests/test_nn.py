@@ -382,6 +382,29 @@ def test_batchnorm_running_statistics_and_eval_match_torch():
     np.testing.assert_allclose(bn(x), nhwc(reference(nchw(x))), rtol=1e-5, atol=1e-6)
 
 
+def test_batchnorm_cumulative_average_matches_torch():
+    """momentum=None: the running statistics are the average over the
+    training batches so far (torch's cumulative moving average), and the
+    count survives load_torch_state_dict, so training continues alike."""
+    bn, reference = nn.BatchNorm2d(5, momentum=None), torch.nn.BatchNorm2d(5, momentum=None)
+    for step in range(4):
+        x = (randn(6 + step, 4, 3, 5, seed=step) * (step + 1) + step).astype(np.float32)
+        np.testing.assert_allclose(bn(x), nhwc(reference(nchw(x))), rtol=1e-4, atol=1e-5)
+    assert bn.num_batches_tracked == int(reference.num_batches_tracked) == 4
+    np.testing.assert_allclose(bn.running_mean, reference.running_mean.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var, reference.running_var.numpy(), rtol=1e-5)
+    resumed = nn.load_torch_state_dict(nn.BatchNorm2d(5, momentum=None), reference.state_dict())
+    assert resumed.num_batches_tracked == 4
+    x = (randn(3, 4, 3, 5, seed=11) * 5 - 2).astype(np.float32)
+    resumed(x), reference(nchw(x))
+    np.testing.assert_allclose(resumed.running_mean, reference.running_mean.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(resumed.running_var, reference.running_var.numpy(), rtol=1e-5)
+    assert resumed.num_batches_tracked == 5
+    resumed.eval(), reference.eval()
+    x = randn(2, 3, 3, 5, seed=9).astype(np.float32)
+    np.testing.assert_allclose(resumed(x), nhwc(reference(nchw(x))), rtol=1e-5, atol=1e-6)
+
+
 def test_batchnorm_without_running_statistics_uses_batch_statistics_in_eval():
     bn = nn.BatchNorm2d(3, track_running_stats=False, dtype=F64).eval()
     y = bn(randn(4, 3, 3, 3) * 5 + 1)
