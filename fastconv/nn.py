@@ -50,6 +50,7 @@ import contextvars
 import copy
 import itertools
 import math
+import numbers
 import os
 
 import numpy as np
@@ -1066,9 +1067,20 @@ class BasicBlock(Module):
 # ------------------------------------------------------------------- loss
 
 class CrossEntropyLoss(Module):
-    """Mean cross-entropy of (N, classes) logits against integer labels
-    (torch.nn.CrossEntropyLoss).  loss(logits, labels) returns a float;
-    backward() returns the gradient with respect to the logits."""
+    """Cross-entropy of (N, classes) logits against integer labels
+    (torch.nn.CrossEntropyLoss): reduction "mean" (over the rows not
+    ignored: NaN if all are), "sum" or "none" (one loss per row, 0 where
+    ignored); rows whose label is ignore_index add nothing, to the loss or
+    to the gradient.  loss(logits, labels) returns a float ("none": an (N,)
+    array); backward(grad_output) returns the gradient with respect to the
+    logits (grad_output: a scalar, or for "none" one per row)."""
+
+    def __init__(self, ignore_index=-100, reduction="mean"):
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+            raise TypeError(f"ignore_index must be an integer; got {ignore_index!r}")
+        self.ignore_index, self.reduction = int(ignore_index), reduction
 
     def forward(self, logits, labels):
         logits, labels = np.asarray(logits), np.asarray(labels)
@@ -1077,21 +1089,42 @@ class CrossEntropyLoss(Module):
         if labels.shape != logits.shape[:1] or (labels.size and labels.dtype.kind not in "iu"):
             raise ValueError(f"labels must be {logits.shape[0]} integers (one per row of "
                              f"logits); got shape {labels.shape}, dtype {labels.dtype}")
-        if labels.size and (labels.min() < 0 or labels.max() >= logits.shape[1]):
-            raise ValueError(f"labels must be class indices in [0, {logits.shape[1]}); got "
-                             f"values from {labels.min()} to {labels.max()}")
+        kept = labels != self.ignore_index
+        classes = labels[kept]
+        if classes.size and (classes.min() < 0 or classes.max() >= logits.shape[1]):
+            raise ValueError(f"labels must be class indices in [0, {logits.shape[1]}) or "
+                             f"ignore_index ({self.ignore_index}); got values from "
+                             f"{classes.min()} to {classes.max()}")
         shifted = logits - logits.max(axis=1, keepdims=True)  # exp cannot overflow
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        rows = np.arange(len(labels))
-        self._save_for_backward(log_probs=log_probs, rows=rows, labels=labels)
-        return float(-log_probs[rows, labels].mean())
+        rows = np.flatnonzero(kept)
+        self._save_for_backward(log_probs=log_probs, rows=rows, classes=classes)
+        losses = -log_probs[rows, classes]
+        if self.reduction == "none":
+            out = np.zeros(len(labels), log_probs.dtype)
+            out[rows] = losses
+            return out
+        if self.reduction == "sum":
+            return float(losses.sum())
+        return float(losses.mean()) if rows.size else float("nan")
 
     def backward(self, grad_output=1.0):
         saved = self._saved_for_backward()
-        grad = np.exp(saved["log_probs"])
-        grad[saved["rows"], saved["labels"]] -= 1
-        grad *= grad_output / len(saved["rows"])
+        rows, classes = saved["rows"], saved["classes"]
+        grad = np.zeros_like(saved["log_probs"])
+        grad[rows] = np.exp(saved["log_probs"][rows])
+        grad[rows, classes] -= 1
+        if self.reduction == "none":
+            grad *= np.asarray(grad_output, grad.dtype).reshape(-1, 1)
+        elif self.reduction == "mean":
+            if rows.size:
+                grad *= grad_output / rows.size
+        else:
+            grad *= grad_output
         return grad
+
+    def extra_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
 
 
 # -------------------------------------------------------------- optimizer

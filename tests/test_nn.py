@@ -247,6 +247,31 @@ def test_cross_entropy_matches_torch():
     np.testing.assert_allclose(loss_fn.backward(), logits_torch.grad.numpy(), rtol=1e-12)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index, labels", [
+    (-100, [0, -100, 3, 1, -100, 2]),   # torch's default ignore_index
+    (1, [0, 3, 1, 1, 2, 0]),            # a class index, ignored
+    (-100, [-100] * 6),                 # every row ignored: mean is NaN
+    (-100, [0, 3, 1, 1, 2, 0]),
+])
+def test_cross_entropy_ignore_index_and_reduction_match_torch(ignore_index, labels, reduction):
+    logits, labels = randn(6, 4, seed=3), np.array(labels)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=ignore_index, reduction=reduction)
+    logits_torch = torch.from_numpy(logits).requires_grad_()
+    loss_torch = torch.nn.functional.cross_entropy(
+        logits_torch, torch.from_numpy(labels), ignore_index=ignore_index, reduction=reduction)
+    grad_output = randn(6, seed=4) if reduction == "none" else 0.7
+    loss_torch.backward(torch.from_numpy(np.asarray(grad_output)))
+    loss = loss_fn(logits, labels)
+    np.testing.assert_allclose(loss, loss_torch.detach().numpy(), rtol=1e-12)
+    assert np.isnan(loss).any() == (reduction == "mean" and (labels == ignore_index).all())
+    np.testing.assert_allclose(loss_fn.backward(grad_output), logits_torch.grad.numpy(),
+                               rtol=1e-12, atol=1e-300)
+    assert "ignore_index" in repr(loss_fn)
+    with pytest.raises(TypeError, match="^ignore_index must be an integer"):
+        nn.CrossEntropyLoss(ignore_index=1.5)
+
+
 def test_float32_layers_compute_in_float32():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, rng=0), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -540,9 +565,10 @@ def test_batchnorm_empty_batch_and_single_value_follow_torch():
     # torch raises for -1 (and ignores -100, its ignore_index): numpy's
     # indexing took them as classes counted from the end (found by fuzzing)
     (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, -1])),
-     r"^labels must be class indices in \[0, 3\)"),
-    (lambda: nn.CrossEntropyLoss()(np.zeros((1, 150)), np.array([-100])),
+     r"^labels must be class indices in \[0, 3\) or ignore_index \(-100\)"),
+    (lambda: nn.CrossEntropyLoss(ignore_index=-1)(np.zeros((1, 150)), np.array([-100])),
      r"^labels must be class indices"),
+    (lambda: nn.CrossEntropyLoss(reduction="avg"), r"^reduction must be"),
     (lambda: nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, 3])),
      r"^labels must be class indices"),
 ])
