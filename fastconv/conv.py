@@ -284,14 +284,17 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked, dtype="float32"):
     channels the rule stands: 128->128 @7 b1 268/255 vs 253/238 (a tie in
     the noise), 64->128 @7 b1 203/197 vs 252/238.  Zen 4, after the few-tile
     path made its rows of points from the raw taps (session 28), in one
-    process, best/median ms Winograd vs implicit: b1 @7 128->128
-    0.073/0.078 vs 0.092/0.102, 128->256 0.130/0.145 vs 0.204/0.214,
-    256->128 0.141/0.159 vs 0.192/0.221, 128->96 0.080/0.081 vs
-    0.099/0.105, b2 @7 128->128 0.098/0.116 vs 0.157/0.175, float64 b1 @7
-    128->128 0.120/0.124 vs 0.222/0.234; still not with fewer channels (64->128
-    0.082/0.089 vs 0.067/0.075, 96->128 a tie) nor where less than half of
-    its 4x4 tiles' outputs are in the image (128->128 @5 b1 0.066 vs 0.058,
-    b2 0.097 vs 0.093; @6 b1 0.067 vs 0.073, b2 0.095 vs 0.143)."""
+    process, best/median ms Winograd vs implicit: b1 @7 128->256
+    0.130/0.145 vs 0.204/0.214, 256->128 0.141/0.159 vs 0.192/0.221, b2 @7
+    128->128 0.098/0.116 vs 0.157/0.175, float64 b1 @7 128->128
+    0.120/0.124 vs 0.222/0.234; 128->128 @7 b1 won in some processes
+    (0.073/0.078 vs 0.092/0.102) and tied in others (0.10-0.13 both).
+    Below 128x128 channels it was mixed (64->128 @7 b1 0.082 vs 0.067 in
+    one process, 0.058 vs 0.098 in three others; 96->128 a tie, 128->96
+    0.080 vs 0.099), so the rule leaves them to implicit GEMM, and images
+    where less than half of its 4x4 tiles' outputs are in the image
+    (128->128 @5 b1 0.066 vs 0.058, b2 0.097 vs 0.093; @6 b1 0.067 vs
+    0.073, b2 0.095 vs 0.143)."""
     if Cg < 16 or OCg < 16:
         return False
     tiles = _winograd_tiles(N, geo)
