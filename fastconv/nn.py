@@ -791,8 +791,9 @@ class BatchNorm2d(Module):
     running_mean / running_var (unbiased variance) as (1 - momentum) *
     running + momentum * batch; momentum=None takes the cumulative average
     instead (momentum 1 / num_batches_tracked, the training batches counted
-    so far).  Evaluation: normalise by the running statistics (by the
-    batch's if track_running_stats is False).
+    so far; load_torch_state_dict sets the count, this module's own
+    state_dict and save() do not keep it).  Evaluation: normalise by the
+    running statistics (by the batch's if track_running_stats is False).
     Statistics and parameter gradients are summed in float64 whatever the
     dtype: float32 sums over many pixels lose digits.
     """
@@ -1115,7 +1116,11 @@ class CrossEntropyLoss(Module):
         grad[rows] = np.exp(saved["log_probs"][rows])
         grad[rows, classes] -= 1
         if self.reduction == "none":
-            grad *= np.asarray(grad_output, grad.dtype).reshape(-1, 1)
+            grad_output = np.asarray(grad_output, grad.dtype)
+            if grad_output.size not in (1, len(grad)):
+                raise ValueError(f"grad_output must be a scalar or {len(grad)} values (one "
+                                 f"per row); got shape {grad_output.shape}")
+            grad *= grad_output.reshape(-1, 1)
         elif self.reduction == "mean":
             if rows.size:
                 grad *= grad_output / rows.size

@@ -268,6 +268,9 @@ def test_cross_entropy_ignore_index_and_reduction_match_torch(ignore_index, labe
     np.testing.assert_allclose(loss_fn.backward(grad_output), logits_torch.grad.numpy(),
                                rtol=1e-12, atol=1e-300)
     assert "ignore_index" in repr(loss_fn)
+    if reduction == "none":
+        with pytest.raises(ValueError, match="^grad_output must be a scalar or 6 values"):
+            loss_fn.backward(np.ones(5))
     with pytest.raises(TypeError, match="^ignore_index must be an integer"):
         nn.CrossEntropyLoss(ignore_index=1.5)
 
