@@ -326,9 +326,10 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
  * Written with generic 32-byte vectors, so every build gets the shuffles
  * it has (AVX: unpck/shuf/vperm2f128; SSE2 and NEON: pairs of halves).
  * dst = s * src^T: the Winograd few-tile path scales its taps on the way
- * (the packs pass s = 1, which the compiler drops).  Always inlined: with
- * s, GCC called a clone per square instead (30 % of a 512->512 @7 batch-1
- * convolution by that path). */
+ * (the packs pass s = 1, which the compiler drops once inlined).  Always
+ * inlined: with s, GCC made it an out-of-line clone called per square
+ * (seen in a profile of the Winograd path; the packs inlined it before s
+ * and should keep their code). */
 typedef float fc_v8sf __attribute__((vector_size(32)));
 typedef double fc_v4df __attribute__((vector_size(32)));
 /* GCC takes the lane indices as a vector of the integer type IT. */

@@ -279,7 +279,8 @@
  * threads, Zen 4): the products from raw taps 0.49 ms with G's rows scaled
  * to a leading 1 (three FMAs a +- pair), 0.45 with their multiplies kept
  * apart, 0.39 by H; the transposes and products together 0.67 ms with the
- * column halves stored (below), 0.56 from raw taps by H.
+ * column halves stored in every call (as fc_wino_gcols_rows now stores
+ * them for prepacked filters), 0.56 from raw taps by H.
  *
  * fc_wino_scale_vt: S V S, for n channels of row i of a group's V as
  * fc_wino_few reads it (below).
