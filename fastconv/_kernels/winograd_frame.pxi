@@ -75,20 +75,16 @@ cdef extern from "winograd_kernel.h":
         float* tb, Py_ssize_t ldi) noexcept nogil
     void fc_wino_scale_vt_f32(Py_ssize_t n, int i, float* vt) noexcept nogil
     void fc_wino_scale_vt_f64(Py_ssize_t n, int i, double* vt) noexcept nogil
-    void fc_wino_few_f32(Py_ssize_t n, const float* tb, const float* vt, float* m,
-        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
-    void fc_wino_few_taps_f32(int i, Py_ssize_t n, const float* wl, const float* vt, float* m,
-        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
+    void fc_wino_few_f32(int i, int taps, Py_ssize_t n, const float* src, const float* vt,
+        float* m, Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     void fc_wino_taps_f64(Py_ssize_t n, const double* w, Py_ssize_t ts, Py_ssize_t tc,
         double* wl) noexcept nogil
     void fc_wino_taps_rows_f64(Py_ssize_t n, const double* w, Py_ssize_t rsw, Py_ssize_t C,
         double* wl) noexcept nogil
     void fc_wino_gcols_rows_f64(Py_ssize_t n, const double* w, Py_ssize_t rsw, Py_ssize_t C,
         double* tb, Py_ssize_t ldi) noexcept nogil
-    void fc_wino_few_f64(Py_ssize_t n, const double* tb, const double* vt, double* m,
-        Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
-    void fc_wino_few_taps_f64(int i, Py_ssize_t n, const double* wl, const double* vt,
-        double* m, Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
+    void fc_wino_few_f64(int i, int taps, Py_ssize_t n, const double* src,
+        const double* vt, double* m, Py_ssize_t sm, Py_ssize_t ldm, int add) noexcept nogil
     enum:
         WINO_FEW_TILES "FC_WINO_FEW_TILES"
 
@@ -606,10 +602,10 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         aligned_free(wls)
         free(blocks)
         return -1
-    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb
+    cdef Py_ssize_t t, p, i, gi, r0, c0, jp, kb, oc0, ov, width, kc0, kcb, srow
     cdef Py_ssize_t n_cb = cdiv(C, TB)
     cdef real* wl
-    cdef const real* tb
+    cdef const real* src
     cdef const real* vrow
     if tiles < groups * Q:
         for p in range(36):
@@ -643,39 +639,34 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                 kc0 = blocks[kb].k0
                 kcb = blocks[kb].kc
                 if halves != NULL:
-                    # Row i of this block's column halves at tb + i*3*VL*C.
-                    tb = halves + (oc0 + ov) * 18 * C + kc0 * 3 * VL
-                    for gi in range(groups * 6):
-                        i = gi % 6
-                        if real is float:
-                            fc_wino_few_f32(kcb, tb + i * 3 * VL * C, vt + gi * svt + kc0 * 6 * Q,
-                                            m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
-                                            ldm, kb > 0)
-                        else:
-                            fc_wino_few_f64(kcb, tb + i * 3 * VL * C, vt + gi * svt + kc0 * 6 * Q,
-                                            m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
-                                            ldm, kb > 0)
-                    continue
-                wl = wls + threadid() * wl_size
-                if flipped:
-                    if real is float:
-                        fc_wino_taps_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
-                    else:
-                        fc_wino_taps_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
-                elif real is float:
-                    fc_wino_taps_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
+                    # Row i of this block's column halves at src + i*srow.
+                    src = halves + (oc0 + ov) * 18 * C + kc0 * 3 * VL
+                    srow = 3 * VL * C
                 else:
-                    fc_wino_taps_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
+                    wl = wls + threadid() * wl_size
+                    if flipped:
+                        if real is float:
+                            fc_wino_taps_f32(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
+                        else:
+                            fc_wino_taps_f64(kcb, w + 8 * OC + kc0 * rsw + oc0 + ov, -OC, rsw, wl)
+                    elif real is float:
+                        fc_wino_taps_rows_f32(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
+                    else:
+                        fc_wino_taps_rows_f64(kcb, w + (oc0 + ov) * rsw + kc0, rsw, C, wl)
+                    src = wl     # every row from the same taps
+                    srow = 0
                 for gi in range(groups * 6):
                     i = gi % 6
                     if real is float:
-                        fc_wino_few_taps_f32(i, kcb, wl, vt + gi * svt + kc0 * 6 * Q,
-                                             m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
-                                             ldm, kb > 0)
+                        fc_wino_few_f32(i, halves == NULL, kcb, src + i * srow,
+                                        vt + gi * svt + kc0 * 6 * Q,
+                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
+                                        kb > 0)
                     else:
-                        fc_wino_few_taps_f64(i, kcb, wl, vt + gi * svt + kc0 * 6 * Q,
-                                             m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm,
-                                             ldm, kb > 0)
+                        fc_wino_few_f64(i, halves == NULL, kcb, src + i * srow,
+                                        vt + gi * svt + kc0 * 6 * Q,
+                                        m + 6 * i * sm + gi // 6 * Q * ldm + oc0 + ov, sm, ldm,
+                                        kb > 0)
             ov = ov + VL
         for t in range(tiles):
             wino_output_tile(g, m + t * ldm + oc0, sm, width,

@@ -292,16 +292,17 @@
  * registers a square at a time.
  * fc_wino_gcols_rows: the column halves H g' (6 x 3 per filter) of those
  * rows: row i, column s of channel c at tb + i*ldi + (c*3 + s)*VL, for
- * prepacked filters (the same values fc_wino_few_taps computes per row).
- * fc_wino_few: row i's six points (one 1-D transform of tb's row) times
- * the S V S of FC_WINO_FEW_TILES tiles, n channels: point (i, j) of
- * tile q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24 values
- * contiguous, so that one pointer walks them all: 24 row pointers ran out
- * of registers and reloaded their offsets from the stack), added into
- * m[j*sm + q*ldm] when add, else stored there.
- * fc_wino_few_taps: the same from the scaled taps at wl, row i's column
- * half made in registers (no column halves stored: their 18 stores a
- * channel took longer than the three additions or FMAs a row makes). */
+ * prepacked filters (the same values fc_wino_few computes from the taps).
+ * fc_wino_few: row i's six points (one 1-D transform of the row's column
+ * half) times the S V S of FC_WINO_FEW_TILES tiles, n channels: point
+ * (i, j) of tile q, for channel c at vt[c*6*Q + j*Q + q] (a channel's 24
+ * values contiguous, so that one pointer walks them all: 24 row pointers
+ * ran out of registers and reloaded their offsets from the stack), added
+ * into m[j*sm + q*ldm] when add, else stored there.  The column half comes
+ * from src: with taps, the scaled taps (fc_wino_taps*), row i's half made
+ * in registers (per call no halves are stored: their 18 stores a channel
+ * took longer than the three additions or FMAs a row makes); else row i's
+ * packed halves (fc_wino_gcols_rows). */
 enum { FC_WINO_FEW_TILES = 4 };
 static const double fc_wino_few_scale[6] = {1.0, 8.0 / 65, 8.0 / 65, -81.0 / 130,
                                             -81.0 / 130, 4.0 / 9};
@@ -458,23 +459,21 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
             }                                                                   \
     }                                                                           \
                                                                                 \
-    static void fc_wino_few_##SUFFIX(ptrdiff_t n, const T *tb, const T *vt,     \
-                                     T *m, ptrdiff_t sm, ptrdiff_t ldm, int add) \
+    static void fc_wino_few_##SUFFIX(int i, int taps, ptrdiff_t n, const T *src, \
+                                     const T *vt, T *m, ptrdiff_t sm,           \
+                                     ptrdiff_t ldm, int add)                    \
     {                                                                           \
-        fc_wino_few_row_##SUFFIX(0, 0, n, tb, vt, m, sm, ldm, add);             \
-    }                                                                           \
-                                                                                \
-    static void fc_wino_few_taps_##SUFFIX(int i, ptrdiff_t n, const T *wl,      \
-                                          const T *vt, T *m, ptrdiff_t sm,      \
-                                          ptrdiff_t ldm, int add)               \
-    {                                                                           \
+        if (!taps) {    /* the row's halves: no row-specific code */            \
+            fc_wino_few_row_##SUFFIX(0, 0, n, src, vt, m, sm, ldm, add);        \
+            return;                                                             \
+        }                                                                       \
         switch (i) {                                                            \
-        case 0: fc_wino_few_row_##SUFFIX(0, 1, n, wl, vt, m, sm, ldm, add); break; \
-        case 1: fc_wino_few_row_##SUFFIX(1, 1, n, wl, vt, m, sm, ldm, add); break; \
-        case 2: fc_wino_few_row_##SUFFIX(2, 1, n, wl, vt, m, sm, ldm, add); break; \
-        case 3: fc_wino_few_row_##SUFFIX(3, 1, n, wl, vt, m, sm, ldm, add); break; \
-        case 4: fc_wino_few_row_##SUFFIX(4, 1, n, wl, vt, m, sm, ldm, add); break; \
-        default: fc_wino_few_row_##SUFFIX(5, 1, n, wl, vt, m, sm, ldm, add);    \
+        case 0: fc_wino_few_row_##SUFFIX(0, 1, n, src, vt, m, sm, ldm, add); break; \
+        case 1: fc_wino_few_row_##SUFFIX(1, 1, n, src, vt, m, sm, ldm, add); break; \
+        case 2: fc_wino_few_row_##SUFFIX(2, 1, n, src, vt, m, sm, ldm, add); break; \
+        case 3: fc_wino_few_row_##SUFFIX(3, 1, n, src, vt, m, sm, ldm, add); break; \
+        case 4: fc_wino_few_row_##SUFFIX(4, 1, n, src, vt, m, sm, ldm, add); break; \
+        default: fc_wino_few_row_##SUFFIX(5, 1, n, src, vt, m, sm, ldm, add);   \
         }                                                                       \
     }
 
