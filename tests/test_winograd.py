@@ -432,6 +432,44 @@ def test_packed_few_tile_filters(request, monkeypatch, dtype, N, H, W, C, OC, pa
             <= rel * np.abs(before_act).max())
 
 
+def at_line_offset(a, offset):
+    """A copy of a whose data starts offset bytes past a 64-byte line."""
+    buf = np.empty(a.nbytes + 128, np.uint8)
+    start = (-buf.ctypes.data) % 64 + offset
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.skipif("avx512" not in fastconv._dispatch.AVAILABLE,
+                    reason="the few-tile kernels are AVX-512's; this CPU has no AVX-512")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("C", [272, 512, 136])
+def test_few_tile_per_call_at_every_weight_alignment(request, monkeypatch, dtype, C):
+    """The per-call few-tile path starts its k-blocks after the first on the
+    weight rows' cache lines, and reads each block's taps in line-sized
+    blocks that overlap at the ends: weights at every offset from a line
+    (numpy's arrays start 16 bytes apart), C = 272 (k-blocks down to 16
+    channels), 512 and 136 (one that is not a multiple of a line) all
+    agree with float64 torch."""
+    rng = np.random.default_rng(C)
+    x = rng.standard_normal((1, 7, 7, C)).astype(dtype)
+    w0 = rng.standard_normal((32, 3, 3, C)).astype(dtype)
+    monkeypatch.setattr(fastconv.conv, "_winograd_variant",
+                        lambda N, geo, Cg, OCg, dtype, prepacked=False: 4)
+    ref = reference(x, w0, None, ((1, 1), (1, 1)))
+    with fastconv._dispatch.use_isa("avx512") as kernels:
+        previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
+        previous_few = kernels.set_winograd_few_tiles(1 << 20)
+        request.addfinalizer(lambda: kernels.set_winograd_fused(*previous_fused))
+        request.addfinalizer(lambda: kernels.set_winograd_few_tiles(previous_few))
+        for offset in (0, 16, 32, 48):
+            w = at_line_offset(w0, offset)
+            got = conv2d(x, w, padding=1, algorithm="winograd")
+            rel = 1e-5 if dtype == np.float32 else 1e-13
+            assert max_error(got, ref) <= rel * np.abs(ref).max(), offset
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 def test_packed_few_tile_filters_refused_where_they_do_not_fit(isa):
     """pack_winograd_few_weights needs the AVX-512 kernels and output

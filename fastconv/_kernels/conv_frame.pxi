@@ -225,14 +225,17 @@ cdef struct KBlock:
     Py_ssize_t k0, kc, t0, ntaps, c0, cw
 
 
-cdef Py_ssize_t uniform_k_blocks(Py_ssize_t K, Py_ssize_t kc_blk, KBlock* blocks) noexcept nogil:
+cdef Py_ssize_t uniform_k_blocks(Py_ssize_t K, Py_ssize_t kc_blk, KBlock* blocks,
+                                 Py_ssize_t lead=0) noexcept nogil:
+    # Blocks of kc_blk, the last one short; with lead (< kc_blk), every
+    # block after the first starts lead earlier (the last one lead longer).
     cdef Py_ssize_t b, n = cdiv(K, kc_blk)
     for b in range(n):
-        blocks[b].k0 = b * kc_blk
-        blocks[b].kc = min(kc_blk, K - b * kc_blk)
+        blocks[b].k0 = b * kc_blk - lead if b > 0 else 0
+        blocks[b].kc = ((b + 1) * kc_blk - lead if b < n - 1 else K) - blocks[b].k0
         blocks[b].t0 = 0
         blocks[b].ntaps = 1
-        blocks[b].c0 = b * kc_blk
+        blocks[b].c0 = blocks[b].k0
         blocks[b].cw = blocks[b].kc
     return n
 

@@ -370,20 +370,27 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
                                            T *restrict wl)                      \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
+        if (n >= TB && VL == TB) {                                              \
+            /* Straight from the rows, 32-byte squares in registers, blocks  \
+               of TB channels on cache lines: the first block, then from    \
+               the first line boundary on, the last block ending at n (the  \
+               overlaps write the same taps twice). */                      \
+            enum { SQ = 32 / sizeof(T) };                                       \
+            ptrdiff_t head = (TB - (ptrdiff_t)((uintptr_t)w / sizeof(T) % TB)) % TB; \
+            for (ptrdiff_t c0 = 0;; c0 = c0 == 0 && head ? head : c0 + TB) {    \
+                ptrdiff_t s = c0 + TB <= n ? c0 : n - TB;                       \
+                for (int t = 0; t < 9; t++)                                     \
+                    for (int o = 0; o < VL; o += SQ)                            \
+                        for (int q = 0; q < TB; q += SQ)                        \
+                            fc_transpose_sq_##SUFFIX(                           \
+                                w + o * rsw + t * C + s + q, rsw,               \
+                                wl + ((s + q) * 9 + t) * VL + o, 9 * VL,        \
+                                (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3])); \
+                if (s + TB >= n) return;                                        \
+            }                                                                   \
+        }                                                                       \
         for (ptrdiff_t c0 = 0; c0 < n; c0 += TB) {                              \
             ptrdiff_t nc = n - c0 < TB ? n - c0 : TB;                           \
-            if (nc == TB && VL == TB) {                                         \
-                /* Straight from the rows, 32-byte squares in registers. */      \
-                enum { SQ = 32 / sizeof(T) };                                   \
-                FC_UNROLL for (int t = 0; t < 9; t++)                           \
-                    FC_UNROLL for (int o = 0; o < VL; o += SQ)                  \
-                        FC_UNROLL for (int q = 0; q < TB; q += SQ)              \
-                            fc_transpose_sq_##SUFFIX(                           \
-                                w + o * rsw + t * C + c0 + q, rsw,              \
-                                wl + ((c0 + q) * 9 + t) * VL + o, 9 * VL,       \
-                                (T)(fc_wino_few_lam[t / 3] * fc_wino_few_lam[t % 3])); \
-                continue;                                                       \
-            }                                                                   \
             for (int t = 0; t < 9; t++)   /* VL <= TB: one block a tap */       \
                 fc_transpose_block_##SUFFIX(0, VL, 0, nc, w + t * C + c0, rsw,  \
                                             wl + (c0 * 9 + t) * VL, 9 * VL);    \
