@@ -418,7 +418,7 @@ def _tuned_algorithm(x, w2d, groups, geo, bias, activation, packed, residual):
     OC = w2d.shape[0]
     prepacked = packed is not None
     auto = _choose_algorithm("auto", groups, C, OC, N, geo, x.shape[1:3], prepacked,
-                             x.dtype.name)
+                             _args.dtype_name(x.dtype))
     if x.size == 0 or N * geo.out_hw[0] * geo.out_hw[1] * OC == 0:
         return auto     # nothing to compute, nothing to time
     problem = _tune.Problem(_dispatch.kernels.ISA, x.dtype.str, x.shape, w2d.shape, groups,
@@ -442,7 +442,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
     OC, K = w2d.shape
     OH, OW = geo.out_hw
     algorithm = _choose_algorithm(algorithm, groups, C, OC, N, geo, x.shape[1:3],
-                                  packed is not None, x.dtype.name)
+                                  packed is not None, _args.dtype_name(x.dtype))
     y = empty_aligned((N, OH, OW, OC), x.dtype)
     if y.size == 0:
         return y
@@ -493,7 +493,7 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
             kernels.gemm(1.0, cols, wg.T, beta, yg, nt, b, act)
         elif algorithm == "winograd":
             variant = _winograd_variant(x.shape[0], geo, xg.shape[3], wg.shape[0],
-                                        x.dtype.name, packed is not None)
+                                        _args.dtype_name(x.dtype), packed is not None)
             filters = None if packed is None else packed(kernels, g, algorithm, variant)
             kernels.conv2d_winograd(xg, wg, b, yg, geo.pad_before, geo.out_hw, nt, act,
                                     filters, dilation=geo.dilation, accumulate=accumulate,
