@@ -398,7 +398,9 @@ def test_packed_few_tile_filters(request, monkeypatch, dtype, N, H, W, C, OC, pa
     packed once (pack_winograd_few_weights) and read by winograd_few_nogil
     in place of each call's transform of w.  The same values summed in the
     same order, so bit for bit the per-call few-tile path (forced for every
-    tile count here), with a bias, a residual and relu6, on 1 and 2
+    tile count here; its k-blocks are the packed path's: one k-block, or
+    channels not in whole cache lines, see
+    test_few_tile_per_call_at_every_weight_alignment), with a bias, a residual and relu6, on 1 and 2
     threads; and within float32/float64 rounding of torch in float64."""
     rng = np.random.default_rng(C * OC + H)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
