@@ -1609,6 +1609,32 @@ def test_unknown_activation_is_refused(activation):
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    # float32 k-blocks 512 deep: the weight blocks narrow from the GEMM's
+    # 512 output channels to 256 (conv_nc_blk), the last one 32 wide
+    ((2, 5, 5, 256), (544, 3, 3, 256), dict(padding=1)),
+    ((2, 4, 4, 1024), (320, 1, 1, 1024), {}),                   # 160 + 160
+    ((1, 7, 7, 2048), (512, 1, 1, 2048), {}),                    # one chunk: own blocks
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_implicit_gemm_with_narrowed_weight_blocks(isa, x_shape, w_shape, kwargs, dtype):
+    rng = np.random.default_rng(w_shape[0])
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    expected = F.conv2d(torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float64)),
+                        torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)),
+                        torch.from_numpy(b.astype(np.float64)),
+                        **kwargs).numpy().transpose(0, 2, 3, 1)
+    with fastconv._dispatch.use_isa(isa):
+        per_call = conv2d(x, w, b, **kwargs, algorithm="implicit")
+        packed = fastconv.PackedConv2d(w, b, **kwargs, algorithm="implicit")(x)
+    for got, what in ((per_call, "per call"), (packed, "packed")):
+        assert_close(got, expected, dtype, w[0].size, what)
+
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
     ((2, 11, 9, 6), (8, 3, 3, 6), dict(padding=1, activation="relu")),
     ((1, 10, 10, 8), (16, 3, 3, 4), dict(stride=2, groups=2, padding_mode="reflect", padding=1)),
     ((1, 6, 6, 700), (40, 3, 3, 700), dict(padding="same")),          # channel-split k-blocks

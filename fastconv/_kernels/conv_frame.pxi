@@ -254,6 +254,16 @@ cdef enum:
     # 256->512 @14 b8, 2 threads, 476 -> 501 where 576 gave 487) but would
     # overflow a 32 KiB one.
     CONV_KC_F32 = 576
+    # The forward's packed weight blocks (k-block x block width) stay under
+    # this: a block's NR panels are read again by every tile of pixels, from
+    # L2 while the block fits one (1 MiB on the machines measured) beside
+    # the tiles' outputs.  The GEMM's NC of 512 made 1x1 2048->512 @7's
+    # blocks 512 x 512 (1 MiB); halved to 256 wide (Zen 4, 2 threads,
+    # alternating processes, best ms): b8 4.12-4.15 -> 3.99-4.06
+    # (prepacked 3.82-3.89 -> 3.78-3.83), b1 prepacked 0.476-0.478 ->
+    # 0.473-0.474, 3x3/2 256->512 @14 b8 4.37-4.40 -> 4.34-4.36, b1
+    # 0.613-0.616 -> 0.604-0.606.
+    CONV_B_BLOCK_BYTES = 640 * 1024
     # The weight gradient's blocks of patch rows (float32): each thread packs
     # KC x K of them (590 KiB at a 3x3 64-channel layer's K = 576) next to
     # its chunk of patch rows in L2.  Kept at 256, what it was before the
@@ -264,6 +274,18 @@ cdef enum:
 
 cdef inline Py_ssize_t conv_kc(real dtype_tag) noexcept nogil:
     return CONV_KC_F32 if real is float else D_KC
+
+
+cdef Py_ssize_t conv_nc_blk(real dtype_tag, Py_ssize_t K, Py_ssize_t OC,
+                            Py_ssize_t kc_max) noexcept nogil:
+    # Width of the forward's packed weight blocks (the GEMM's, halved while
+    # a block of kc_max rows is over CONV_B_BLOCK_BYTES).
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t kc_unused, nc_blk
+    block_sizes(<real>0, K, OC, &kc_unused, &nc_blk)
+    while nc_blk > NR and kc_max * nc_blk * <Py_ssize_t>sizeof(real) > CONV_B_BLOCK_BYTES:
+        nc_blk = cdiv(nc_blk // 2, NR) * NR
+    return nc_blk
 
 
 cdef Py_ssize_t conv_k_blocks(real dtype_tag, const ConvGeom* g, KBlock* blocks) noexcept nogil:
@@ -740,8 +762,6 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t KC = conv_kc(<real>0)
     cdef Py_ssize_t M = g.N * g.OH * g.OW, K = patch_cols(g), T = g.KH * g.KW
     cdef int nt = threads_for(2.0 * M * OC * K, max_threads)
-    cdef Py_ssize_t kc_unused, nc_blk
-    block_sizes(<real>0, K, OC, &kc_unused, &nc_blk)
     cdef KBlock* blocks = <KBlock*>malloc(T * cdiv(g.C, KC) * sizeof(KBlock))
     cdef Py_ssize_t* tap_off = <Py_ssize_t*>malloc((T + g.KH) * sizeof(Py_ssize_t))
     if blocks == NULL or tap_off == NULL:
@@ -749,6 +769,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         free(tap_off)
         return -1
     cdef Py_ssize_t n_kb = conv_k_blocks(<real>0, g, blocks)
+    cdef Py_ssize_t nc_blk = conv_nc_blk(<real>0, K, OC, max_block_depth(blocks, n_kb))
     cdef Py_ssize_t kh, kw
     cdef Py_ssize_t R = chunk_rows(<real>0, K, M, MR)
     cdef Py_ssize_t ld = patch_ld(<real>0, K)
@@ -1246,12 +1267,12 @@ cdef Py_ssize_t conv_weight_layout(real dtype_tag, Py_ssize_t KH, Py_ssize_t KW,
     cdef Py_ssize_t KC = conv_kc(<real>0)
     cdef ConvGeom g
     g.KH, g.KW, g.C = KH, KW, C
-    cdef Py_ssize_t kc_unused
-    block_sizes(<real>0, KH * KW * C, OC, &kc_unused, nc_blk)
     blocks[0] = <KBlock*>malloc(KH * KW * cdiv(C, KC) * sizeof(KBlock))
     if blocks[0] == NULL:
         raise MemoryError()
-    return conv_k_blocks(<real>0, &g, blocks[0])
+    cdef Py_ssize_t n_kb = conv_k_blocks(<real>0, &g, blocks[0])
+    nc_blk[0] = conv_nc_blk(<real>0, KH * KW * C, OC, max_block_depth(blocks[0], n_kb))
+    return n_kb
 
 
 class PackedWeights:
