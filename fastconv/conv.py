@@ -530,7 +530,7 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     if 0 not in in_shape and dy.size and _is_winograd(geo):
         flipped = _flipped_geometry(geo, in_shape[1:3])
         if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False,
-                          str(dy.dtype)):
+                          _args.dtype_name(dy.dtype)):
             return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape)
     kernels, nt = _dispatch.kernels, get_num_threads()
     if (_is_pointwise(geo, in_shape[1:3]) and not _is_depthwise(groups, C)

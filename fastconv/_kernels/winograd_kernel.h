@@ -374,7 +374,9 @@ static const double fc_wino_few_lam[3] = {1.0, 1.5, 2.25};
             /* Straight from the rows, 32-byte squares in registers, blocks  \
                of TB channels on cache lines: the first block, then from    \
                the first line boundary on, the last block ending at n (the  \
-               overlaps write the same taps twice). */                      \
+               overlaps write the same taps twice).  Not unrolled: a        \
+               block's 36 squares as one stretch of code took 0.18 ms in a  \
+               harness (512->512's taps, 2 threads), as loops 0.134. */     \
             enum { SQ = 32 / sizeof(T) };                                       \
             ptrdiff_t head = (TB - (ptrdiff_t)((uintptr_t)w / sizeof(T) % TB)) % TB; \
             for (ptrdiff_t c0 = 0;; c0 = c0 == 0 && head ? head : c0 + TB) {    \
