@@ -400,8 +400,9 @@ def test_packed_few_tile_filters(request, monkeypatch, dtype, N, H, W, C, OC, pa
     same order, so bit for bit the per-call few-tile path (forced for every
     tile count here; its k-blocks are the packed path's: one k-block, or
     channels not in whole cache lines, see
-    test_few_tile_per_call_at_every_weight_alignment), with a bias, a residual and relu6, on 1 and 2
-    threads; and within float32/float64 rounding of torch in float64."""
+    test_few_tile_per_call_at_every_weight_alignment), with a bias, a
+    residual and relu6, on 1 and 2 threads; and within float32/float64
+    rounding of torch in float64."""
     rng = np.random.default_rng(C * OC + H)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
@@ -452,14 +453,15 @@ def test_few_tile_per_call_at_every_weight_alignment(request, monkeypatch, dtype
     weight rows' cache lines, and reads each block's taps in line-sized
     blocks that overlap at the ends: weights at every offset from a line
     (numpy's arrays start 16 bytes apart), C = 272 (k-blocks down to 16
-    channels), 512 and 136 (one that is not a multiple of a line) all
-    agree with float64 torch."""
+    channels), 512 and 136 (not whole lines in float32: no shifted
+    k-blocks) all agree with float64 torch."""
     rng = np.random.default_rng(C)
     x = rng.standard_normal((1, 7, 7, C)).astype(dtype)
     w0 = rng.standard_normal((32, 3, 3, C)).astype(dtype)
     monkeypatch.setattr(fastconv.conv, "_winograd_variant",
                         lambda N, geo, Cg, OCg, dtype, prepacked=False: 4)
     ref = reference(x, w0, None, ((1, 1), (1, 1)))
+    rel = 1e-5 if dtype == np.float32 else 1e-13
     with fastconv._dispatch.use_isa("avx512") as kernels:
         previous_fused = kernels.set_winograd_fused(*ALWAYS_FUSED)
         previous_few = kernels.set_winograd_few_tiles(1 << 20)
@@ -468,7 +470,6 @@ def test_few_tile_per_call_at_every_weight_alignment(request, monkeypatch, dtype
         for offset in (0, 16, 32, 48):
             w = at_line_offset(w0, offset)
             got = conv2d(x, w, padding=1, algorithm="winograd")
-            rel = 1e-5 if dtype == np.float32 else 1e-13
             assert max_error(got, ref) <= rel * np.abs(ref).max(), offset
 
 
