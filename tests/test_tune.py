@@ -238,8 +238,13 @@ def test_bad_algorithm_is_named():
 
 def test_tuning_drops_the_slow_algorithms_of_a_depthwise_layer(monkeypatch):
     """Implicit GEMM and Winograd run a depthwise layer one group at a time,
-    70-200x slower than the direct kernel: after the two warm-up calls they
-    are not timed again, and with auto's choice left alone, nothing is."""
+    far slower than the direct kernel: after the two warm-up calls they are
+    not timed again, and with auto's choice left alone, nothing is.  On this
+    layer Winograd is ~70x slower than direct in the AVX-512 build but ~11x
+    in the baseline one (Zen 4), near HOPELESS's 8, where one disturbed
+    sample of direct kept it (CI); the threshold is lowered to 3 so that the
+    test checks the dropping, not the machine's noise."""
+    monkeypatch.setattr(_tune, "HOPELESS", 3.0)
     calls = []
     real_forward = conv._forward
     monkeypatch.setattr(conv, "_forward",
