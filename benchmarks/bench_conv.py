@@ -452,8 +452,8 @@ def measure_cell(spec, batch, threads, settings, torch, ort, with_backward):
             cell.applicable[algorithm] = False
             continue
         calls[f"fastconv {algorithm}"] = (fc_threads, call)
-    if auto_algorithm(spec, batch, packed=True) in ("implicit", "winograd"):
-        # elsewhere PackedConv2d runs what auto runs, with nothing packed
+    if auto_algorithm(spec, batch, packed=True) in ("implicit", "winograd", "direct"):
+        # elsewhere (gemm1x1) PackedConv2d runs what auto runs, with nothing packed
         packed = fastconv.PackedConv2d(w, None, **kwargs)
         calls["fastconv packed"] = (fc_threads, lambda: packed(x))
     torch_tensors = {}
@@ -587,7 +587,7 @@ def algorithm_section(cells, batch):
              "table); n/a: the "
              "algorithm does not apply.  packed: fastconv.PackedConv2d (weights packed once, "
              "as nn.prepack does; its auto can take winograd where conv2d's does not); '= auto': "
-             "nothing to pack (gemm1x1, direct), the same code as auto.  "
+             "nothing to pack (gemm1x1), the same code as auto.  "
              "best/auto: the fastest (median) over auto's.  tune: what "
              "algorithm='tune' chose by its own one-time timing (and its median over auto's "
              "here), '= auto' where it kept auto's choice."]

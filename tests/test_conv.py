@@ -1643,7 +1643,7 @@ def test_implicit_gemm_with_narrowed_weight_blocks(isa, x_shape, w_shape, kwargs
     ((1, 7, 7, 300), (200, 3, 3, 300), dict(padding=1)),
     ((2, 7, 6, 12), (20, 1, 1, 12), {}),                              # gemm1x1: nothing packed
     ((1, 3, 4, 40), (24, 1, 1, 40), dict(activation="relu")),         # 1x1, auto: implicit
-    ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10)),       # depthwise: nothing packed
+    ((2, 9, 8, 10), (10, 3, 3, 1), dict(padding=1, groups=10)),       # depthwise: auto, direct
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
@@ -1664,6 +1664,40 @@ def test_packed_conv_equals_conv2d(isa, x_shape, w_shape, kwargs, dtype):
         # bound that error): close, not bitwise.
         assert_close(auto(x), expected.astype(np.float64), dtype, w[0].size * 10,
                      "auto-packed")
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("w_shape, groups", [
+    ((10, 3, 3, 1), 10),          # depthwise
+    ((20, 3, 3, 1), 10),          # depthwise, multiplier 2
+    ((16, 3, 3, 4), 4),           # narrow groups of 4
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_direct_rearranges_its_weights_once(isa, w_shape, groups, dtype, monkeypatch):
+    """PackedConv2d keeps the direct kernels' tap-major weights (depthwise
+    and narrow groups): its calls equal conv2d's bit for bit, and after the
+    first none rearranges the weights again."""
+    rng = np.random.default_rng(sum(w_shape))
+    x = rng.standard_normal((2, 9, 8, w_shape[3] * groups)).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype)
+    kwargs = dict(padding=1, groups=groups, activation="relu")
+    with fastconv._dispatch.use_isa(isa):
+        expected = conv2d(x, w, b, **kwargs, algorithm="direct")
+        expected_crop = conv2d(x[:1, 1:], w, b, **kwargs, algorithm="direct")
+        layer = fastconv.PackedConv2d(w, b, **kwargs)
+        w[...] = 0                       # the layer owns a copy
+        np.testing.assert_array_equal(layer(x), expected)
+        assert [key[1] for key in layer._packs] == ["direct"]
+        rearranged = []
+        original = fastconv.conv._direct_tap_weights
+        monkeypatch.setattr(fastconv.conv, "_direct_tap_weights",
+                            lambda *args: rearranged.append(args) or original(*args))
+        np.testing.assert_array_equal(layer(x), expected)
+        np.testing.assert_array_equal(layer(x[:1, 1:]), expected_crop)
+        assert rearranged == []
+        np.testing.assert_array_equal(conv2d(x, layer.weight, b, **kwargs), expected)
+        assert len(rearranged) == 1      # conv2d rearranges per call
 
 
 @pytest.mark.parametrize("N, H, C, OC, prepacked, expected", [
