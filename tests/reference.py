@@ -2,6 +2,8 @@
 fastconv's own argument handling."""
 import math
 
+import numpy as np
+
 
 def explicit_pads(padding, hw, kernel, stride, dilation):
     """((top, bottom), (left, right)) for every padding form, computed
@@ -19,3 +21,12 @@ def explicit_pads(padding, hw, kernel, stride, dilation):
     if isinstance(padding[0], int):
         return ((padding[0],) * 2, (padding[1],) * 2)
     return tuple(tuple(p) for p in padding)
+
+
+def at_line_offset(a, offset):
+    """A copy of a whose data starts offset bytes past a 64-byte line."""
+    buf = np.empty(a.nbytes + 128, np.uint8)
+    start = (-buf.ctypes.data) % 64 + offset
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out

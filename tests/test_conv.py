@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fastconv
 import fastconv.conv
 from fastconv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
-from reference import explicit_pads
+from reference import at_line_offset, explicit_pads
 
 LAYOUTS = ("NHWC", "NCHW")
 DTYPES = (np.float64, np.float32)
@@ -1128,6 +1128,46 @@ def test_depthwise_threads_give_identical_results(x_shape, k, request):
     assert_close(y1, ref_y, np.float32, k * k, "output")
     assert_close(gx1, ref_gx, np.float32, k * k, "grad_input")
     assert_close(gw1, ref_gw, np.float32, dy.size // C, "grad_weight, 1 thread")
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C, kwargs", [
+    (576, dict(padding=1)),                       # whole vectors
+    (100, dict(padding=1, stride=2)),             # a partial last vector, stride 2
+    (72, dict(padding=2, dilation=2)),
+    (64, dict(padding=1)),                        # four AVX-512 vectors, the fewest shifted
+])
+def test_depthwise_at_every_input_alignment(isa, dtype, C, kwargs, request):
+    """The 3x3 row kernel starts its channel vectors after the first on the
+    input's vector boundaries (aligned_head): an input at any offset from a
+    line gives the aligned input's output bit for bit (each channel sums
+    its taps in the same order), with bias and relu6, and so does dy in the
+    stride-1 input gradient (the same kernel); streamed outputs (which keep
+    the unshifted vectors) too."""
+    rng = np.random.default_rng(C)
+    x0 = at_line_offset(rng.standard_normal((2, 9, 11, C)).astype(dtype), 0)
+    w = rng.standard_normal((C, 3, 3, 1)).astype(dtype)
+    b = rng.standard_normal(C).astype(dtype)
+    kwargs = dict(kwargs, groups=C)
+    with fastconv._dispatch.use_isa(isa):
+        y0 = conv2d(x0, w, b, **kwargs, activation="relu6")
+        ref_y, _, _, _ = torch_grads(x0, w, b, np.zeros_like(y0), **kwargs)
+        assert_close(y0, np.clip(ref_y, 0, 6), dtype, 9, "aligned output")
+        dy0 = at_line_offset(rng.standard_normal(y0.shape).astype(dtype), 0)
+        gx0 = conv2d_backward(dy0, x0, w, **kwargs, output_mask=(True, False, False))[0]
+        for offset in range(0, 64, x0.itemsize):
+            x, dy = at_line_offset(x0, offset), at_line_offset(dy0, offset)
+            np.testing.assert_array_equal(
+                conv2d(x, w, b, **kwargs, activation="relu6"), y0, f"{offset} bytes off")
+            np.testing.assert_array_equal(
+                conv2d_backward(dy, x0, w, **kwargs, output_mask=(True, False, False))[0],
+                gx0, f"dy {offset} bytes off")
+        streamed_outputs(request)
+        for offset in (0, 16, 32):
+            np.testing.assert_array_equal(
+                conv2d(at_line_offset(x0, offset), w, b, **kwargs, activation="relu6"), y0,
+                f"streamed, {offset} bytes off")
 
 
 # ------------------------------------------------------ narrow-group kernels

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fastconv
 import fastconv.conv
 from fastconv import conv2d
-from reference import explicit_pads
+from reference import at_line_offset, explicit_pads
 
 #: The issue's bound: Winograd's float32 error at most this multiple of the
 #: direct method's (both against float64).
@@ -433,15 +433,6 @@ def test_packed_few_tile_filters(request, monkeypatch, dtype, N, H, W, C, OC, pa
     rel = 1e-5 if dtype == np.float32 else 1e-13
     assert (max_error(results[0], np.clip(before_act, 0, 6))
             <= rel * np.abs(before_act).max())
-
-
-def at_line_offset(a, offset):
-    """A copy of a whose data starts offset bytes past a 64-byte line."""
-    buf = np.empty(a.nbytes + 128, np.uint8)
-    start = (-buf.ctypes.data) % 64 + offset
-    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 @pytest.mark.skipif("avx512" not in fastconv._dispatch.AVAILABLE,

@@ -22,12 +22,12 @@ cdef extern from "depthwise_kernel.h":
                                  Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const float* w,
                                  const float* bias, float* y, int act,
-                                 int stream) noexcept nogil
+                                 int stream, Py_ssize_t head) noexcept nogil
     void fc_depthwise3x3_row_f64(const double* const* rows, Py_ssize_t xsw, Py_ssize_t W,
                                  Py_ssize_t C, Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const double* w,
                                  const double* bias, double* y, int act,
-                                 int stream) noexcept nogil
+                                 int stream, Py_ssize_t head) noexcept nogil
     void fc_depthwise3x3_grad_weight_row_f32(const float* const* rows, Py_ssize_t xsw,
                                              Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
                                              Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
@@ -48,6 +48,9 @@ cdef enum:
     # b1 ran at 1/5 of the GEMM's single-core rate), so 2 MFLOP layers also
     # get both threads.
     DEPTHWISE_FLOP_COST = 4
+    # The 3x3 row kernel's output streams past this many times the GEMM's
+    # stream threshold (see depthwise_forward_nogil).
+    DEPTHWISE_STREAM_FACTOR = 8
 
 
 cdef inline void depthwise_taps(Py_ssize_t C, Py_ssize_t ntaps, const real** a,
@@ -167,18 +170,20 @@ cdef void depthwise3x3_grad_weight_row(const ConvGeom* g, const real* x, ImageSt
 
 cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
                                    const real* w, const real* bias, real* y,
-                                   Py_ssize_t row, int act, bint stream) noexcept nogil:
+                                   Py_ssize_t row, int act, bint stream,
+                                   Py_ssize_t head) noexcept nogil:
     # Output row `row` (= n*OH + oh) of a 3x3 layer with multiplier 1, by
-    # the register-blocked row kernel, activation fused.
+    # the register-blocked row kernel, activation fused; head as
+    # fc_depthwise3x3_row takes it (aligned_head).
     cdef Row3x3 r = row3x3(g, x, xs, row)
     cdef const real** rows = <const real**>r.rows
     cdef Py_ssize_t lo = r.lo, hi = r.hi
     if real is float:
         fc_depthwise3x3_row_f32(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
-                                y + row * g.OW * g.C, act, stream)
+                                y + row * g.OW * g.C, act, stream, head)
     else:
         fc_depthwise3x3_row_f64(rows, xs.w, g.W, g.C, g.OW, g.SW, g.DW, g.PL, lo, hi, w, bias,
-                                y + row * g.OW * g.C, act, stream)
+                                y + row * g.OW * g.C, act, stream, head)
     if stream:
         fc_store_fence()
 
@@ -208,6 +213,19 @@ cdef void depthwise_grad_input_row(const ConvGeom* g, const real* dy, const real
         depthwise_taps(g.C, ntaps, dyp, wp, NULL, dx + n * xs.n + ih * xs.h + iw * xs.w)
 
 
+cdef inline Py_ssize_t aligned_head(const ConvGeom* g, const real* x,
+                                    ImageStrides xs) noexcept nogil:
+    # The channels before the first vector-aligned one of every input
+    # pixel (the same for all when the strides are whole vectors), for the
+    # 3x3 row kernel; 0 where it would not pay: aligned already, or fewer
+    # than 4 vectors of channels (two more vectors a pass).
+    cdef Py_ssize_t VL = VBYTES // sizeof(real)
+    if (g.C < 4 * VL or xs.w % VL or xs.h % VL or xs.n % VL
+            or (<size_t>x) % sizeof(real)):
+        return 0
+    return (VL - (<size_t>x) // sizeof(real) % VL) % VL
+
+
 cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
                                   const real* x, ImageStrides xs, const real* w,
                                   const real* bias, real* y, int act,
@@ -221,13 +239,22 @@ cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
     cdef RowRange cols
     cdef real* yrow
     cdef bint stream
+    cdef Py_ssize_t head = 0
     if mult == 1 and g.KH == 3 and g.KW == 3:
-        # A large output streams past the caches (can_stream): it is written
-        # once, by whole aligned vectors when C is a multiple of them.
-        stream = (can_stream(g.N * g.OH * g.OW, OC, 1, <real>0, OC, 1)
+        # A large output streams past the caches: it is written once, by
+        # whole aligned vectors when C is a multiple of them.  Past 8x the
+        # GEMM's threshold (can_stream), 8 MiB: in a loop of calls a smaller
+        # one comes back from L3 (Zen 4, 2 threads, 576 @14 batch 8, a 3.6
+        # MB output: 134 us streamed, 110 stored).
+        stream = (g.N * g.OH * g.OW * OC * <Py_ssize_t>sizeof(real)
+                  > DEPTHWISE_STREAM_FACTOR * stream_bytes
                   and (OC * <Py_ssize_t>sizeof(real)) % VBYTES == 0 and (<size_t>y) % 64 == 0)
+        if not stream:
+            # (Streamed vectors are y's, aligned; then the loads stay as
+            # they fall.)
+            head = aligned_head(g, x, xs)
         for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
-            depthwise3x3_forward_row(g, x, xs, w, bias, y, row, act, stream)
+            depthwise3x3_forward_row(g, x, xs, w, bias, y, row, act, stream, head)
             if stream and row % (g.N * g.OH) == g.N * g.OH - 1:
                 fc_store_fence()
         if stream:
