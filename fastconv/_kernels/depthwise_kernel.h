@@ -204,7 +204,7 @@
  * vectors from head on, and a last vector ending at C, the overlaps
  * computed twice alike.  Zen 4, 2 threads, 576 channels @14 batch 8: input
  * vectors 16 or 48 bytes off a line (each 32-byte half crossing one) made
- * the layer 26-33 % slower than at 0; so shifted, 5 % (the extra vectors
+ * the layer 26-34 % slower than at 0; so shifted, 5 % (the extra vectors
  * and y's stores, now off their lines). */
 #define FC_DEFINE_DEPTHWISE_3X3(SUFFIX, T)                                      \
     static inline void fc_depthwise3x3_row_##SUFFIX(                            \
