@@ -198,8 +198,8 @@
 
 /* act: 0 none, 1 relu, 2 relu6.  stream: y is vector-aligned, C a
  * multiple of the vector length, and the output large (see
- * depthwise_forward_nogil); the caller fences.  head: 0, or (not with
- * stream) the channels before the first whose input vectors are
+ * depthwise_forward_nogil); the caller fences.  head: 0, or (then
+ * nothing is streamed) the channels before the first whose input vectors are
  * vector-aligned, head + VL <= C: then one vector of channels from 0,
  * vectors from head on, and a last vector ending at C, the overlaps
  * computed twice alike.  Zen 4, 2 threads, 576 channels @14 batch 8: input
@@ -215,11 +215,9 @@
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
         ptrdiff_t c = 0;                                                        \
-        const int stream_aligned = stream;                                      \
         if (head > 0) {                                                         \
-            stream = 0;                                                         \
+            stream = 0;     /* its vectors are off y's lines */                 \
             FC_DW3_STEP(T, fc_dwvec_##SUFFIX, 1, FC_DW3_VEC_FINISH_##SUFFIX)    \
-            stream = stream_aligned;                                            \
             c = head;                                                           \
         }                                                                       \
         for (; c + FC_DW3_VECS * VL <= C; c += FC_DW3_VECS * VL)                \
@@ -229,7 +227,6 @@
             FC_DW3_STEP(T, fc_dwvec_##SUFFIX, 1, FC_DW3_VEC_FINISH_##SUFFIX)    \
         if (head > 0 && c < C) {                                                \
             c = C - VL;                                                         \
-            stream = 0;                                                         \
             FC_DW3_STEP(T, fc_dwvec_##SUFFIX, 1, FC_DW3_VEC_FINISH_##SUFFIX)    \
             c = C;                                                              \
         }                                                                       \
