@@ -213,6 +213,35 @@ def _is_winograd(geo):
     return geo.kernel == (3, 3) and geo.stride == (1, 1)
 
 
+def _is_thin_winograd(geo, Cg):
+    # The kernels' thin path (winograd_thin_kernel.h): F(2x2, 3x3) with the
+    # products and output transform of a few tiles in registers, for layers
+    # with fewer input channels than the general path's GEMMs need (16),
+    # undilated; filters transformed per call (16 x C x OC values, nothing
+    # to prepack).
+    return (_is_winograd(geo) and geo.dilation == (1, 1)
+            and 1 <= Cg <= _dispatch.kernels.winograd_thin_max_channels())
+
+
+def _thin_winograd_pays(groups, N, geo, Cg):
+    """Whether auto takes the thin Winograd path over implicit GEMM: on
+    AVX-512 builds (three tiles a kernel call, in 25 of 32 registers), for
+    images of at least 100 output pixels.  Zen 4, 2 threads, best ms
+    implicit -> thin, batch 1 unless given: VGG conv1_1 (3->64 @224) 0.86 ->
+    0.54, at batch 8 7.67 -> 4.25; 3->64 @112 0.23 -> 0.15 (with relu 0.24
+    -> 0.16), 8->64 @112 0.54 -> 0.32, 15->64 @56 0.26 -> 0.16, 3->16 @112
+    0.15 -> 0.06, 4->256 @112 1.10 -> 0.59, 1->16 @56 batch 4 0.18 ->
+    0.06; output channels in part vectors cost more (3->24 @112 0.16 ->
+    0.10, 1->24 @112 0.10 -> 0.10).  At 10x10 to 20x20 it won 1.1-1.6x
+    (but 8->256 @14 0.050 vs 0.059); at 7x7 the two tied (0.013-0.022
+    ms; 8->256 0.032 vs 0.037).  On AVX2 (one tile a call: 16 registers) it
+    lost (3->64 @112 0.26 vs 0.43) and won with more channels (15->8 @28
+    0.050 -> 0.037): forced only.  float64 (AVX-512) won alike: 3->64 @224
+    1.80 -> 1.52, @28 0.073 -> 0.044."""
+    return (groups == 1 and _dispatch.kernels.ISA == "avx512" and _is_thin_winograd(geo, Cg)
+            and N * geo.out_hw[0] * geo.out_hw[1] >= 100)
+
+
 def _winograd_tiles(N, geo, m=4):
     # m x m output tiles, as the kernel cuts them: per dilation phase (the
     # outputs a + d*i of each residue a form an undilated convolution).
@@ -221,9 +250,11 @@ def _winograd_tiles(N, geo, m=4):
 
 
 def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
-    """4 for F(4x4, 3x3); for prepacked filters and layers of at most four
-    of its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where streaming the
-    36 x C x OC transformed filters is most of the work:
+    """"thin" for layers of fewer than 16 input channels, undilated
+    (_is_thin_winograd: F(2x2, 3x3), filters transformed per call, prepacked
+    or not); else 4 for F(4x4, 3x3); for prepacked filters and layers of at
+    most four of its 4x4 tiles (a 7x7 or 8x8 image at batch 1), where
+    streaming the 36 x C x OC transformed filters is most of the work:
 
     - "few": F(4x4) by the kernels' few-tile path from packed column halves
       (pack_winograd_few_weights: 18 x C x OC values, each filter's
@@ -253,6 +284,8 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     Filters transformed per call never leave the cache there (the kernels'
     fused and few-tile paths), and F(4x4) won: 512->512 @7 b1 252/233 vs
     215/203 GFLOPS best/median."""
+    if _is_thin_winograd(geo, Cg):
+        return "thin"
     if not prepacked or _winograd_tiles(N, geo) > 4:
         return 4
     if (Cg * OCg >= 128 * 128 and _winograd_tiles(N, geo, 2) >= 12
@@ -349,7 +382,9 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
       GEMMs in the transformed domain (4x fewer multiplications), or, with
       prepacked filters and few tiles, F(4x4) from packed half-transformed
       filters or F(2x2, 3x3), 16 GEMMs (2.25x fewer; see _winograd_variant
-      and _winograd_pays for when auto takes it);
+      and _winograd_pays for when auto takes it); for fewer than 16 input
+      channels, undilated, F(2x2, 3x3) with the products in registers (the
+      kernels' thin path: _thin_winograd_pays);
     - "implicit": implicit GEMM, any convolution (interior pixels read in
       place, border pixels' patch rows built a chunk at a time);
     - "im2col": the whole patch matrix, then one GEMM per group (the
@@ -388,8 +423,9 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
             if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
             return "gemm1x1"
-        if _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups, prepacked,
-                                                dtype):
+        if _thin_winograd_pays(groups, N, geo, C) or (
+                _is_winograd(geo) and _winograd_pays(N, geo, C // groups, OC // groups,
+                                                     prepacked, dtype)):
             return "winograd"
         return "implicit"
     reason = _inapplicable(algorithm, groups, C, OC, geo, in_hw)
@@ -503,10 +539,11 @@ def _forward(x, w2d, groups, geo, bias=None, algorithm="auto", activation=None, 
         elif algorithm == "winograd":
             variant = _winograd_variant(x.shape[0], geo, xg.shape[3], wg.shape[0],
                                         _args.dtype_name(x.dtype), packed is not None)
-            filters = None if packed is None else packed(kernels, g, algorithm, variant)
+            filters = (None if packed is None or variant == "thin"
+                       else packed(kernels, g, algorithm, variant))
             kernels.conv2d_winograd(xg, wg, b, yg, geo.pad_before, geo.out_hw, nt, act,
                                     filters, dilation=geo.dilation, accumulate=accumulate,
-                                    tile=2 if variant == 2 else 4)
+                                    tile=2 if variant in (2, "thin") else 4)
         else:
             kernels.conv2d_forward(xg, wg, b, yg, *geo, nt, act,
                                    None if packed is None else packed(kernels, g, algorithm),
@@ -960,15 +997,16 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     algorithm: "auto" (default: "direct" for depthwise and for groups of 2,
     4, 8 or 16 channels in and out, "gemm1x1" for most 1x1 stride-1
     unpadded layers, "winograd" for 3x3 stride-1 layers with enough
-    channels and tiles, else "implicit"; see _choose_algorithm), or one of
+    channels and tiles, or with few input channels (an RGB image's first
+    layer) on AVX-512, else "implicit"; see _choose_algorithm), or one of
     those or "im2col" to force it (ValueError where it does not apply), or
     "tune": at the problem's first call in the process, time every
     algorithm auto can choose that applies and keep the fastest (auto's
     choice unless another is 5 % faster; fastconv.tuned_algorithms() lists
     the choices).  Winograd F(4x4, 3x3) (F(2x2, 3x3) where there are few
     tiles) rounds differently from the direct methods (float32 error vs a
-    float64 reference a few times larger; benchmarks/README.md has the
-    figures), and a NaN or inf in an input window spreads over its whole
+    float64 reference a few times larger for F(4x4), about the same for
+    F(2x2); benchmarks/README.md has the figures), and a NaN or inf in an input window spreads over its whole
     4x4 (2x2) output tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
     still in cache.  residual: None, or an array of the result's shape and
@@ -1005,8 +1043,10 @@ class PackedConv2d:
     (FASTCONV_ISA / use_isa), for the groups that run the implicit or the
     Winograd algorithm (Winograd-domain filters, G g G^T, for the latter;
     with few tiles their column halves G g, or F(2x2)'s: see
-    _winograd_variant), and for the direct kernels of depthwise and narrow
-    groups (their weights rearranged tap-major).
+    _winograd_variant; nothing for layers of fewer than 16 input channels,
+    whose thin path transforms its few filters per call), and for the direct
+    kernels of depthwise and narrow groups (their weights rearranged
+    tap-major).
     With the filter transform paid once, "auto" takes Winograd for every
     3x3 stride-1 layer with at least 16 input and output channels per group,
     and with the GEMM panels packed once, implicit GEMM for 1x1 layers whose

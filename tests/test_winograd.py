@@ -229,8 +229,10 @@ def test_winograd_nan_and_inf_stay_in_their_tiles():
     6x6 windows contain it (the transforms mix a window), never beyond;
     every output PyTorch makes non-finite is non-finite here too."""
     rng = np.random.default_rng(6)
-    x = rng.standard_normal((1, 16, 16, 8)).astype(np.float32)
-    w = rng.standard_normal((8, 3, 3, 8)).astype(np.float32)
+    # 16 channels: F(4x4) (fewer take the thin path's 2x2 tiles, tested in
+    # test_winograd_thin.py)
+    x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 3, 16)).astype(np.float32)
     x[0, 2, 3, 1] = np.nan
     x[0, 13, 12, 4] = np.inf
     y = conv2d(x, w, padding=1, algorithm="winograd")
@@ -533,8 +535,8 @@ def test_packed_winograd_filters(isa, tile):
     (1, 7, 512, 512, 1, True, "winograd"),
     (1, 7, 96, 128, 1, False, "implicit"),      # 4 tiles: too few for 96x128 channels
     (1, 7, 96, 128, 1, True, "winograd"),       # ...unless transformed once
-    (1, 224, 3, 64, 1, False, "implicit"),      # 3 channels: GEMMs too shallow
-    (1, 56, 8, 8, 1, True, "implicit"),         # 8 channels: even prepacked
+    (1, 224, 3, 64, 1, False, "thin"),          # 3 channels: GEMMs too shallow,
+    (1, 56, 8, 8, 1, True, "thin"),             # even prepacked: the thin path
     (1, 14, 512, 512, 1, False, "winograd"),    # 16 tiles, fused
     (1, 28, 512, 512, 1, False, "winograd"),    # 64 tiles, the most fused
     (2, 28, 512, 512, 1, False, "winograd"),    # 128: packed up front, enough tiles
@@ -548,6 +550,8 @@ def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     geo = fastconv.conv._Geometry((3, 3), (stride, stride), (1, 1), (1, 1),
                                   (-(-H // stride),) * 2)
     got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked)
+    if expected == "thin":      # auto takes it on AVX-512 builds only
+        expected = "winograd" if fastconv._dispatch.kernels.ISA == "avx512" else "implicit"
     assert got == expected
 
 

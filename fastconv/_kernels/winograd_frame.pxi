@@ -698,13 +698,16 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     # KW = 3, stride 1, dilation 1.  prepacked: NULL or
     # pack_winograd_weights' U (for the same tile), or with prepacked_few
     # (tile 4) pack_winograd_few_weights' column halves.  tile: 4 for F(4x4, 3x3),
-    # 2 for F(2x2, 3x3).  flipped:
+    # 2 for F(2x2, 3x3) (by winograd_thin_nogil for few input channels, per
+    # call filters).  flipped:
     # w is the (C x 9*OC) weight of the convolution whose input gradient
     # this is (see wino_pack_filters).
     cdef WinoTiling tl = wino_tiling(g, tile)
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t points = wino_points(tile)
     cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
+    if tile == 2 and prepacked == NULL and not flipped and wino_thin_applies(g):
+        return winograd_thin_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, accumulate)
     if prepacked_few:
         return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, False,
                                   accumulate, &tl, tiles, prepacked)

@@ -1,0 +1,207 @@
+"""Winograd F(2x2, 3x3) for thin layers (fewer than 16 input channels): the
+kernels' thin path (_kernels/winograd_thin_kernel.h), which conv2d runs for
+algorithm="winograd" on such layers (and auto on AVX-512 builds), checked
+against float64 torch under every ISA build."""
+
+import numpy as np
+import pytest
+
+import fastconv
+import fastconv.conv
+from fastconv import conv2d
+from test_winograd import check_against_direct, max_error, reference
+
+ISAS = fastconv._dispatch.AVAILABLE
+
+CASES = [
+    # (N, H, W, C, OC), padding
+    ((1, 1, 1, 1, 1), 1),                      # one pixel, one channel
+    ((2, 7, 9, 3, 5), 1),                      # odd sizes: partial last tiles, part vector
+    ((1, 8, 8, 3, 64), 0),                     # whole tiles, valid
+    ((3, 13, 11, 4, 33), ((2, 0), (1, 2))),    # primes, asymmetric padding
+    ((1, 5, 23, 2, 24), "same"),
+    ((1, 2, 2, 5, 6), ((0, 5), (0, 5))),       # windows wholly in the padding
+    ((1, 3, 300, 1, 16), 1),                   # C 1: 150 tiles a row, two chunks
+    ((2, 6, 41, 15, 20), 2),                   # C 15: 8-tile chunks, a short last one
+    ((1, 9, 10, 8, 130), ((3, 1), (0, 4))),    # C 8 (the loop kernel), 9 vectors
+    ((1, 4, 4, 7, 3), ((4, 4), (4, 4))),       # output all from padding at the edges
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape, padding", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_thin_winograd_matches_reference(isa, shape, padding, dtype):
+    N, H, W, C, OC = shape
+    rng = np.random.default_rng(H * W + C)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    geo = fastconv.conv._conv_setup(x, w, 1, padding, 1, 1, "zeros", "NHWC").geo
+    assert fastconv.conv._winograd_variant(N, geo, C, OC, dtype) == "thin"
+    with fastconv._dispatch.use_isa(isa):
+        check_against_direct(x, w, b, padding)
+        check_against_direct(x, w, None, padding)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("activation", [None, "relu", "relu6"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("OC", [64, 40])          # whole vectors; a part one
+def test_thin_winograd_epilogue(isa, activation, dtype, OC, request):
+    """Bias, activation and a residual, on plain and streamed stores (the
+    stream threshold set to 0; streaming needs whole vectors of channels)."""
+    rng = np.random.default_rng(3)
+    x = (4 * rng.standard_normal((2, 11, 10, 3))).astype(dtype)   # past 6 for relu6
+    w = rng.standard_normal((OC, 3, 3, 3)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    res = rng.standard_normal((2, 11, 10, OC)).astype(dtype)
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        for stream_bytes in (None, 0):
+            if stream_bytes is not None:
+                previous = kernels.set_stream_bytes(stream_bytes)
+            try:
+                check_against_direct(x, w, b, activation=activation)
+                check_against_direct(x, w, None, activation=activation)
+                y = conv2d(x, w, b, padding=1, activation=activation, residual=res,
+                           algorithm="winograd")
+                ref = reference(x, w, b, ((1, 1), (1, 1)))
+                ref = ref + res
+                if activation is not None:
+                    ref = np.maximum(ref, 0)
+                if activation == "relu6":
+                    ref = np.minimum(ref, 6)
+                tol = 1e-12 if dtype == np.float64 else 2e-5
+                assert max_error(y, ref) <= tol * np.abs(ref).max()
+            finally:
+                if stream_bytes is not None:
+                    kernels.set_stream_bytes(previous)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("view", ["channel-slice", "pixel-stride", "reversed-rows",
+                                  "reversed-columns", "nchw", "line-offset"])
+def test_thin_winograd_reads_strided_inputs(isa, view):
+    """Pixels further apart than their channels (a channel slice, a pixel
+    stride), negative strides, an NCHW input, and an input off its lines."""
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((2, 18, 22, 5)).astype(np.float32)
+    w = rng.standard_normal((12, 3, 3, 3)).astype(np.float32)
+    with fastconv._dispatch.use_isa(isa):
+        if view == "nchw":
+            x = base[..., :3]
+            x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+            y = conv2d(x_nchw, w.transpose(0, 3, 1, 2), padding=1, layout="NCHW",
+                       algorithm="winograd")
+            ref = reference(x, w, None, ((1, 1), (1, 1)))
+            assert max_error(y.transpose(0, 2, 3, 1), ref) <= 1e-5 * np.abs(ref).max()
+            return
+        if view == "line-offset":
+            from reference import at_line_offset
+            x = at_line_offset(np.ascontiguousarray(base[..., :3]), 4)
+        else:
+            x = {"channel-slice": base[..., 1:4], "pixel-stride": base[:, ::2, ::2, :3],
+                 "reversed-rows": base[:, ::-1, :, :3],
+                 "reversed-columns": base[:, :, ::-1, 2:]}[view]
+        check_against_direct(x, w)
+
+
+def test_thin_winograd_is_independent_of_the_thread_count(request):
+    """Each band of two output rows is computed whole by one thread."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 29, 31, 3)).astype(np.float32)
+    w = rng.standard_normal((40, 3, 3, 3)).astype(np.float32)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    results = []
+    for nt in (1, 2, 3, 2):
+        fastconv.set_num_threads(nt)
+        results.append(conv2d(x, w, padding=1, algorithm="winograd"))
+    for y in results[1:]:
+        np.testing.assert_array_equal(y, results[0])
+
+
+def test_thin_winograd_error_is_documented_size():
+    """The benchmarks/README.md figure: VGG16 conv1_1 (3 -> 64 @224, N(0, 1)
+    inputs and weights), thin Winograd's float32 error vs float64 about the
+    direct method's (measured 0.78-0.85x in max norm, 1.25x RMS, over three
+    seeds; with 8 and 15 channels 0.4-0.6x max, 0.8-0.9x RMS)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 224, 224, 3)).astype(np.float32)
+    w = rng.standard_normal((64, 3, 3, 3)).astype(np.float32)
+    ref = reference(x, w, None, ((1, 1), (1, 1)))
+    err = max_error(conv2d(x, w, padding=1, algorithm="winograd"), ref)
+    direct = max_error(conv2d(x, w, padding=1, algorithm="implicit"), ref)
+    assert err <= 2 * direct
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_thin_winograd_nan_and_inf_stay_in_their_tiles(isa):
+    """A NaN or inf in the input spreads over the 2x2 output tiles whose
+    4x4 windows contain it, never beyond (the chunk's row transforms run
+    along whole rows, but each tile reads only its own window's values);
+    every output PyTorch makes non-finite is non-finite here too."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 16, 16, 3)).astype(np.float32)
+    w = rng.standard_normal((8, 3, 3, 3)).astype(np.float32)
+    x[0, 2, 3, 1] = np.nan
+    x[0, 13, 12, 2] = np.inf
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, padding=1, algorithm="winograd")
+    ref = reference(x, w, None, ((1, 1), (1, 1)))
+    assert np.all(~np.isfinite(y[~np.isfinite(ref)]))
+    # Tiles of output rows/columns 2t..2t+1 read input rows 2t-1..2t+2.
+    touched = np.zeros((16, 16), bool)
+    for ih, iw in ((2, 3), (13, 12)):
+        for th in range(8):
+            for tw in range(8):
+                if 2 * th - 1 <= ih <= 2 * th + 2 and 2 * tw - 1 <= iw <= 2 * tw + 2:
+                    touched[2 * th:2 * th + 2, 2 * tw:2 * tw + 2] = True
+    clean = y[0][~touched]
+    assert np.all(np.isfinite(clean))
+    np.testing.assert_allclose(clean, ref[0][~touched], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_auto_takes_thin_winograd_where_measured(isa):
+    """auto: the thin path on AVX-512 builds for images of 100 output pixels
+    and more, undilated, one group (conv.py, _thin_winograd_pays)."""
+    choose = fastconv.conv._choose_algorithm
+    with fastconv._dispatch.use_isa(isa):
+        for N, H, W, C, dilation, groups in [(1, 224, 224, 3, 1, 1), (1, 10, 10, 15, 1, 1),
+                                             (1, 7, 7, 3, 1, 1), (1, 56, 56, 3, 2, 1),
+                                             (1, 56, 56, 8, 1, 2)]:
+            x = np.zeros((N, H, W, C), np.float32)
+            w = np.zeros((32, 3, 3, C // groups), np.float32)
+            geo = fastconv.conv._conv_setup(x, w, 1, "same", dilation, groups, "zeros",
+                                            "NHWC").geo
+            alg = choose("auto", groups, C, 32, N, geo, (H, W))
+            thin = (isa == "avx512" and C < 16 and H * W >= 100 and dilation == 1
+                    and groups == 1)
+            assert (alg == "winograd") == thin, (isa, N, H, W, C, dilation, groups, alg)
+        # 16 channels: the general path's (its own rule, _winograd_pays)
+        assert not fastconv.conv._is_thin_winograd(geo, 16)
+
+
+def test_packed_thin_layer_packs_nothing():
+    """PackedConv2d of a thin layer runs the same thin path per call: no
+    packed filters kept, the result bit-identical to conv2d's."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 20, 21, 3)).astype(np.float32)
+    w = rng.standard_normal((16, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    layer = fastconv.PackedConv2d(w, b, padding=1, activation="relu", algorithm="winograd")
+    np.testing.assert_array_equal(
+        layer(x), conv2d(x, w, b, padding=1, activation="relu", algorithm="winograd"))
+    assert layer._packs == {}
+
+
+def test_thin_winograd_kernel_refuses_bad_arguments():
+    """The kernel entry checks the weight's shape against the image (a
+    wrong C is a ValueError, never a read past the weights)."""
+    kernels = fastconv._dispatch.kernels
+    x = np.zeros((1, 6, 6, 3), np.float32)
+    y = np.zeros((36, 8), np.float32)
+    with pytest.raises(ValueError, match="w must be"):
+        kernels.conv2d_winograd(x, np.zeros((8, 9 * 4), np.float32), None, y, (1, 1), (6, 6),
+                                1, tile=2)
