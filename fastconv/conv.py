@@ -1004,10 +1004,11 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
     algorithm auto can choose that applies and keep the fastest (auto's
     choice unless another is 5 % faster; fastconv.tuned_algorithms() lists
     the choices).  Winograd F(4x4, 3x3) (F(2x2, 3x3) where there are few
-    tiles) rounds differently from the direct methods (float32 error vs a
-    float64 reference a few times larger for F(4x4), about the same for
-    F(2x2); benchmarks/README.md has the figures), and a NaN or inf in an input window spreads over its whole
-    4x4 (2x2) output tile.  activation: None, "relu" or
+    tiles or input channels) rounds differently from the direct methods
+    (float32 error vs a float64 reference a few times larger for F(4x4),
+    about the same for F(2x2); benchmarks/README.md has the figures), and
+    a NaN or inf in an input window spreads over its whole 4x4 (2x2) output
+    tile.  activation: None, "relu" or
     "relu6", applied to the result (with the bias) while each output tile is
     still in cache.  residual: None, or an array of the result's shape and
     dtype added before the activation (ResNet's relu(conv(x) + shortcut));

@@ -9,7 +9,8 @@ import pytest
 import fastconv
 import fastconv.conv
 from fastconv import conv2d
-from test_winograd import check_against_direct, max_error, reference
+from test_winograd import (assert_same_for_every_thread_count, assert_specials_stay_in_tiles,
+                           check_against_direct, max_error, reference)
 
 ISAS = fastconv._dispatch.AVAILABLE
 
@@ -111,14 +112,7 @@ def test_thin_winograd_is_independent_of_the_thread_count(request):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 29, 31, 3)).astype(np.float32)
     w = rng.standard_normal((40, 3, 3, 3)).astype(np.float32)
-    previous = fastconv.get_num_threads()
-    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
-    results = []
-    for nt in (1, 2, 3, 2):
-        fastconv.set_num_threads(nt)
-        results.append(conv2d(x, w, padding=1, algorithm="winograd"))
-    for y in results[1:]:
-        np.testing.assert_array_equal(y, results[0])
+    assert_same_for_every_thread_count(request, x, w)
 
 
 def test_thin_winograd_error_is_documented_size():
@@ -148,18 +142,7 @@ def test_thin_winograd_nan_and_inf_stay_in_their_tiles(isa):
     x[0, 13, 12, 2] = np.inf
     with fastconv._dispatch.use_isa(isa):
         y = conv2d(x, w, padding=1, algorithm="winograd")
-    ref = reference(x, w, None, ((1, 1), (1, 1)))
-    assert np.all(~np.isfinite(y[~np.isfinite(ref)]))
-    # Tiles of output rows/columns 2t..2t+1 read input rows 2t-1..2t+2.
-    touched = np.zeros((16, 16), bool)
-    for ih, iw in ((2, 3), (13, 12)):
-        for th in range(8):
-            for tw in range(8):
-                if 2 * th - 1 <= ih <= 2 * th + 2 and 2 * tw - 1 <= iw <= 2 * tw + 2:
-                    touched[2 * th:2 * th + 2, 2 * tw:2 * tw + 2] = True
-    clean = y[0][~touched]
-    assert np.all(np.isfinite(clean))
-    np.testing.assert_allclose(clean, ref[0][~touched], rtol=1e-4, atol=1e-4)
+    assert_specials_stay_in_tiles(x, w, y, ((2, 3), (13, 12)), 2)
 
 
 @pytest.mark.parametrize("isa", ISAS)

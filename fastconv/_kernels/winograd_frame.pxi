@@ -896,7 +896,9 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     any dilation (see WinoTiling): x NHWC, w (OC, 3*3*C), y (N*OH*OW, OC);
     packed None, pack_winograd_weights(w, tile=tile) or, for tile 4,
     pack_winograd_few_weights(w) (the few-tile path then runs, whatever the
-    tiles).  flipped: w is (C, 3*3*OC),
+    tiles).  tile 2 with at most winograd_thin_max_channels() input
+    channels, undilated, without packed filters and not flipped runs the
+    thin path (winograd_thin_frame.pxi).  flipped: w is (C, 3*3*OC),
     the weight of the convolution whose input gradient this one is, used
     with its taps reversed and channels swapped (no packed weights then)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")
