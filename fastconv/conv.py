@@ -232,9 +232,11 @@ def _thin_winograd_pays(groups, N, geo, Cg):
     -> 0.16), 8->64 @112 0.54 -> 0.32, 15->64 @56 0.26 -> 0.16, 3->16 @112
     0.15 -> 0.06, 4->256 @112 1.10 -> 0.59, 1->16 @56 batch 4 0.18 ->
     0.06; output channels in part vectors cost more (3->24 @112 0.16 ->
-    0.10, 1->24 @112 0.10 -> 0.10).  At 10x10 to 20x20 it won 1.1-1.6x
-    (but 8->256 @14 0.050 vs 0.059); at 7x7 the two tied (0.013-0.022
-    ms; 8->256 0.032 vs 0.037).  On AVX2 (one tile a call: 16 registers) it
+    0.10, 1->24 @112 0.10 -> 0.10).  Small images, implicit / thin time
+    (the filters transformed a vector of output channels at a time): 7x7
+    1.00-1.13, 10x10 0.93-1.49, 14x14 0.87-1.25, 28x28 0.93-1.60, over
+    3->64, 8->256, 15->256, 15->24, 1->24, 4->512 (calls of 13-270 us, one
+    run each in one process).  On AVX2 (one tile a call: 16 registers) it
     lost (3->64 @112 0.26 vs 0.43) and won with more channels (15->8 @28
     0.050 -> 0.037): forced only.  float64 (AVX-512) won alike: 3->64 @224
     1.80 -> 1.52, @28 0.073 -> 0.044."""
