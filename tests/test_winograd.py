@@ -183,15 +183,20 @@ def test_winograd_reads_strided_inputs(view, tile):
     base = rng.standard_normal((2, 18, 22, 16)).astype(np.float32)
     w = rng.standard_normal((12, 3, 3, 16)).astype(np.float32)
     if view == "nchw":
-        x_nchw = np.ascontiguousarray(base.transpose(0, 3, 1, 2))
-        y = conv2d(x_nchw, w.transpose(0, 3, 1, 2), padding=1, layout="NCHW",
-                   algorithm="winograd")
-        ref = reference(base, w, None, ((1, 1), (1, 1)))
-        assert max_error(y.transpose(0, 2, 3, 1), ref) <= 1e-5 * np.abs(ref).max()
+        check_nchw_input(base, w)
         return
     x = {"pixel-stride": base[:, ::2, ::2], "reversed-rows": base[:, ::-1],
          "reversed-columns": base[:, :, ::-1]}[view]
     check_against_direct(x, w)
+
+
+def check_nchw_input(x, w):
+    """conv2d(algorithm="winograd", padding=1) of NHWC x passed as NCHW (and
+    OHWI w as OIHW) against float64 torch."""
+    x_nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    y = conv2d(x_nchw, w.transpose(0, 3, 1, 2), padding=1, layout="NCHW", algorithm="winograd")
+    ref = reference(x, w, None, ((1, 1), (1, 1)))
+    assert max_error(y.transpose(0, 2, 3, 1), ref) <= 1e-5 * np.abs(ref).max()
 
 
 def test_winograd_error_is_documented_size():
