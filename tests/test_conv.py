@@ -1244,17 +1244,25 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
 @pytest.mark.parametrize("N, H, W, C, OC, k, s, d, p", [
     (2, 9, 10, 700, 40, 3, 1, 1, 1),    # a tap deeper than KC: channel-split k-blocks
     (1, 12, 12, 600, 70, 3, 2, 1, 1),   # the same, strided
-    (2, 8, 9, 1024, 33, 3, 1, 1, 1),    # pixels 4 KiB apart: shadow windows throughout
+    # pixels 4 KiB apart (one L1 set), read in place: AVX-512's tiles of 12
+    # float or 14 double rows in halves; one full panel and a part one
+    (2, 8, 9, 1024, 33, 3, 1, 1, 1),
+    (2, 9, 9, 512, 40, 1, 2, 1, 0),     # the same by the stride
     (1, 10, 11, 20, 50, 5, 1, 2, 2),    # dilated: several taps per k-block
     (3, 7, 7, 512, 64, 3, 1, 1, 0),     # no padding: every pixel interior
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
     (1, 6, 7, 24, 600, 3, 1, 1, 1),     # output channels over one packed block (NC 512)
-    # Batch 1, an odd number of pixel chunks: the threads split the output
+    # An odd number of pixel micro-panels: the threads split the output
     # channels (one thread: all of them), over one chunk of every pixel
-    # (patch rows <= 2 MiB), packing the weights a block at a time ...
+    # (its border pixels' shadow windows <= 2 MiB), packing the weights a
+    # block at a time: patch rows under 2 MiB, over it (3.2 MB) with
+    # windows for 144 border pixels, and over it with none (1x1) ...
     (1, 11, 11, 256, 64, 3, 1, 1, 1),
-    # ... or, above that, each thread walking every chunk for its share.
-    (1, 10, 11, 600, 64, 3, 1, 1, 1),
+    (1, 37, 37, 64, 64, 3, 1, 1, 1),
+    (8, 7, 7, 2048, 64, 1, 1, 1, 0),
+    # ... or, past that (38 windows of 3 x 4800 values), each thread walking
+    # every chunk for its share.
+    (1, 10, 11, 1600, 64, 3, 1, 1, 1),
     # Images past 2 MiB, whose tiles prefetch the next tile's runs (shadow
     # windows and image runs), 3x3/2 and 1x1/2.
     (2, 24, 25, 512, 16, 3, 2, 1, 1),

@@ -480,17 +480,11 @@ cdef inline Py_ssize_t shadow_size(const ShadowLayout* sh, Py_ssize_t pixels) no
     return cdiv(pixels, sh.per_band) * sh.band_size
 
 
-cdef inline bint taps_path_ok(const ConvGeom* g, ImageStrides xs, real dtype_tag) noexcept nogil:
-    # MR pixels read at a stride that is a multiple of 4 KiB would all fall
-    # in one L1 set (see macro_kernel); those layers take the chunk path.
-    return (g.SW * xs.w * <Py_ssize_t>sizeof(real)) % 4096 != 0
-
-
 cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh,
                                       bint use_taps) noexcept nogil:
     # Output columns of output row oh whose every tap is inside the image,
     # as [lo, hi); empty (OW, OW) when none is, or when the image is not to
-    # be read in place (taps_path_ok).
+    # be read in place (use_taps false: the shadows have a pitch of their own).
     cdef RowRange r
     cdef Py_ssize_t ih0 = oh * g.SH - g.PT, last
     r.lo = g.OW
@@ -504,6 +498,17 @@ cdef inline RowRange interior_columns(const ConvGeom* g, Py_ssize_t oh,
                 r.lo = g.OW
                 r.hi = g.OW
     return r
+
+
+cdef Py_ssize_t border_pixels(const ConvGeom* g, bint use_taps) noexcept nogil:
+    # Output pixels with a tap in the padding (or all of them when the
+    # image is not read in place): those plan_pixel_rows gives a window.
+    cdef Py_ssize_t oh, n = 0
+    cdef RowRange cols
+    for oh in range(g.OH):
+        cols = interior_columns(g, oh, use_taps)
+        n += g.OW - (cols.hi - cols.lo)
+    return n * g.N
 
 
 cdef void plan_pixel_rows(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -624,6 +629,19 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
     # for runs shorter than 4 lines, whose prefetch loop costs more than it
     # hides (VGG conv1_1, 9-value runs: 77-93 -> 68-84).
     cdef bint prefetch_runs
+    # Pixels read in place a multiple of 4 KiB apart all fall in one L1 set
+    # (8-way on the CPUs measured): past 8 rows (AVX-512's 12 float and 14
+    # double), a tile's kernel call takes half of them at a time.
+    # Copying every such pixel into a shadow window instead cost more (Zen
+    # 4, 2 threads, in one process alternating, median ms, copy -> in
+    # place): 1x1 2048->512 @7 b8 4.55 -> 4.03, 1024->256 @14 b8 4.42 ->
+    # 3.97, b1 0.540 -> 0.508, 1024->48 @14 b2 0.363 -> 0.310; float64 8.24
+    # -> 8.13, 8.30 -> 8.10, 1.48 -> 1.44, 0.538 -> 0.493; 3x3/2 512->128
+    # @8 b4 0.818 -> 0.826 (float64 1.079 -> 0.955); AVX2 (6 rows)
+    # 1.01-1.05x faster.  Whole tiles of 14 float64 rows read in place
+    # were 1.2-1.3x slower than the copies.
+    cdef bint halve_tiles = MR > 8 and (g.SW * xs.w * <Py_ssize_t>sizeof(real)) % 4096 == 0
+    cdef Py_ssize_t part, h0
     cdef bint image_past_l3 = (g.N * g.H * g.W * xs.w * <Py_ssize_t>sizeof(real)
                                > PREFETCH_IMAGE_BYTES)
     for jb in range(cdiv(OC, nc_blk)):
@@ -715,16 +733,22 @@ cdef void multiply_pixel_rows(const ConvGeom* g, ImageStrides xs,
                         out, rso, out_bias, out_act = yt, rsy, tile_bias, tile_act
                     else:
                         out, rso, flags, out_bias, out_act = acc, NR, 0, NULL, ACT_NONE
-                    if real is float:
-                        fc_shared_runs_kernel_f32(mr, n_runs, block_off,
-                                                  <const float* const*>(pixels + i0), run_len,
-                                                  bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                                  out_act)
-                    else:
-                        fc_shared_runs_kernel_f64(mr, n_runs, block_off,
-                                                  <const double* const*>(pixels + i0), run_len,
-                                                  bblk + jr * blk.kc, out, rso, flags, out_bias,
-                                                  out_act)
+                    part = (mr + 1) // 2 if halve_tiles else mr
+                    h0 = 0
+                    while h0 < mr:
+                        if real is float:
+                            fc_shared_runs_kernel_f32(min(part, mr - h0), n_runs, block_off,
+                                                      <const float* const*>(pixels + i0 + h0),
+                                                      run_len, bblk + jr * blk.kc,
+                                                      out + h0 * rso, rso, flags, out_bias,
+                                                      out_act)
+                        else:
+                            fc_shared_runs_kernel_f64(min(part, mr - h0), n_runs, block_off,
+                                                      <const double* const*>(pixels + i0 + h0),
+                                                      run_len, bblk + jr * blk.kc,
+                                                      out + h0 * rso, rso, flags, out_bias,
+                                                      out_act)
+                        h0 += part
                     if split:
                         for i in range(mr):
                             write_tile(acc + i * NR, NR,
@@ -785,11 +809,33 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # panels) one thread waited ~10 % of it (3x3/2 64->128 @56 b1, perf).
     n_chunks = cdiv(n_chunks, n_ic) * n_ic
     R = cdiv(m_panels, n_chunks) * MR
-    if n_ic == 1 and n_chunks > 1 and M * ld * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes:
+    # Every pixel reads its taps at the same offsets, in the image or in
+    # its shadow window (whose pitch is the image's, unless no pixel is
+    # inside the image; see shadow_layout).  Only border pixels take a
+    # window, so the windows are sized by the border pixels a chunk can
+    # hold, not by its pixels (none at all for an unpadded 1x1 layer).
+    cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, M, False)
+    cdef bint own_pitch = shadow_size(&sh, M) > 2 * M * ld
+    if own_pitch:
+        sh = shadow_layout(<real>0, g, xs, M, True)
+    cdef bint use_taps = sh.pitch == g.DH * xs.h and sh.tap == g.DW * xs.w
+    cdef Py_ssize_t n_border = border_pixels(g, use_taps)
+    cdef ShadowLayout sh_all = shadow_layout(<real>0, g, xs, max(1, n_border), own_pitch)
+    if (n_ic == 1 and n_chunks > 1
+            and shadow_size(&sh_all, n_border) * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes):
         # Each chunk streams the thread's share of the packed weights from
         # L3 or memory once: when the threads do not split the pixels (they
         # split the columns, or there is one thread), one chunk of every
-        # pixel streams it once in all (512->512 @7: 4.7 MiB a thread).
+        # pixel streams it once in all (512->512 @7: 4.7 MiB a thread), and
+        # each task packs its share a block at a time (pack_own).  The
+        # pixels' taps are read where they are either way, once a k-block;
+        # what bounds the chunk is its shadow windows.  Bounding its patch
+        # rows instead (2 MiB) gave 1x1 2048->512 @7 b8 (3.2 MB, no window)
+        # seven chunks over weights packed up front; in one chunk, with its
+        # pixels read in place (see multiply_pixel_rows' halve_tiles), it
+        # runs 3.81 -> 3.72 ms best, 4.22 -> 3.89 median (Zen 4, 2 threads,
+        # processes alternating, 6 rounds; the other 1x1, 3x3/2 and stem
+        # layers of bench_conv within 1-5 % either way, their medians).
         R = m_panels * MR
         n_chunks = 1
     n_ic = n_chunks
@@ -811,19 +857,13 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         own_blocks = <real*>aligned_malloc(nt * own_size * sizeof(real))
     elif prepacked == NULL:
         bpack = pack_b_blocks(blocks, n_kb, OC, w, rsb, csb, nc_blk, nt, tap_src)
-    # Every pixel reads its taps at the same offsets, in the image or in
-    # its shadow window (whose pitch is the image's, unless no pixel is
-    # inside the image; see shadow_layout).
-    cdef ShadowLayout sh = shadow_layout(<real>0, g, xs, R, False)
-    if shadow_size(&sh, R) > 2 * R * ld:
-        sh = shadow_layout(<real>0, g, xs, R, True)
-    cdef bint use_taps = (taps_path_ok(g, xs, <real>0) and sh.pitch == g.DH * xs.h
-                          and sh.tap == g.DW * xs.w)
+    cdef Py_ssize_t n_shadow = max(1, min(R, n_border))
+    sh = shadow_layout(<real>0, g, xs, n_shadow, own_pitch)
     for kh in range(g.KH):
         for kw in range(g.KW):
             tap_off[kh * g.KW + kw] = kh * sh.pitch + kw * sh.tap
         tap_off[T + kh] = kh * sh.pitch
-    cdef Py_ssize_t buf_size = shadow_size(&sh, R)
+    cdef Py_ssize_t buf_size = shadow_size(&sh, n_shadow)
     cdef real* bufs = <real*>aligned_malloc(nt * buf_size * sizeof(real))
     cdef const real** pixels = <const real**>malloc(nt * R * sizeof(real*))
     # A block's run offsets: at most one run per tap.
