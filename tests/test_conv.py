@@ -1253,15 +1253,15 @@ def test_narrow_group_kernels_refuse_what_they_are_not_built_for():
     (2, 30, 31, 3, 16, 7, 2, 1, 3),     # RGB stem: 49 taps of 3 channels
     (1, 6, 7, 24, 600, 3, 1, 1, 1),     # output channels over one packed block (NC 512)
     # An odd number of pixel micro-panels: the threads split the output
-    # channels (one thread: all of them), over one chunk of every pixel
-    # (its border pixels' shadow windows <= 2 MiB), packing the weights a
-    # block at a time: patch rows under 2 MiB, over it (3.2 MB) with
-    # windows for 144 border pixels, and over it with none (1x1) ...
+    # channels (one thread: all of them), over one chunk of every pixel,
+    # packing the weights a block at a time: patch rows under 2 MiB; over
+    # it (2.4 MB, 3.2 MB) with weights past 1 MiB, windows for 88 border
+    # pixels or none (1x1) ...
     (1, 11, 11, 256, 64, 3, 1, 1, 1),
-    (1, 37, 37, 64, 64, 3, 1, 1, 1),
-    (8, 7, 7, 2048, 64, 1, 1, 1, 0),
-    # ... or, past that (38 windows of 3 x 4800 values), each thread walking
-    # every chunk for its share.
+    (1, 23, 23, 128, 256, 3, 1, 1, 1),
+    (8, 7, 7, 2048, 192, 1, 1, 1, 0),
+    # ... or, with windows past 2 MiB (38 of 3 x 4800 values), each thread
+    # walking every chunk for its share.
     (1, 10, 11, 1600, 64, 3, 1, 1, 1),
     # Images past 2 MiB, whose tiles prefetch the next tile's runs (shadow
     # windows and image runs), 3x3/2 and 1x1/2.

@@ -821,21 +821,27 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef bint use_taps = sh.pitch == g.DH * xs.h and sh.tap == g.DW * xs.w
     cdef Py_ssize_t n_border = border_pixels(g, use_taps)
     cdef ShadowLayout sh_all = shadow_layout(<real>0, g, xs, max(1, n_border), own_pitch)
-    if (n_ic == 1 and n_chunks > 1
-            and shadow_size(&sh_all, n_border) * <Py_ssize_t>sizeof(real) <= 4 * chunk_bytes):
+    cdef Py_ssize_t item = sizeof(real)
+    if n_ic == 1 and n_chunks > 1 and (
+            M * ld * item <= 4 * chunk_bytes
+            or (K * OC * item > 2 * chunk_bytes
+                and shadow_size(&sh_all, n_border) * item <= 4 * chunk_bytes)):
         # Each chunk streams the thread's share of the packed weights from
         # L3 or memory once: when the threads do not split the pixels (they
         # split the columns, or there is one thread), one chunk of every
         # pixel streams it once in all (512->512 @7: 4.7 MiB a thread), and
-        # each task packs its share a block at a time (pack_own).  The
-        # pixels' taps are read where they are either way, once a k-block;
-        # what bounds the chunk is its shadow windows.  Bounding its patch
-        # rows instead (2 MiB) gave 1x1 2048->512 @7 b8 (3.2 MB, no window)
-        # seven chunks over weights packed up front; in one chunk, with its
-        # pixels read in place (see multiply_pixel_rows' halve_tiles), it
-        # runs 3.81 -> 3.72 ms best, 4.22 -> 3.89 median (Zen 4, 2 threads,
-        # processes alternating, 6 rounds; the other 1x1, 3x3/2 and stem
-        # layers of bench_conv within 1-5 % either way, their medians).
+        # each task packs its share a block at a time (pack_own).  Where
+        # the patch rows fit 2 MiB; or where the weights outgrow an L2 (1
+        # MiB) and only the chunk's shadow windows need bounding: the
+        # pixels' taps are read where they are either way, once a k-block.
+        # 1x1 2048->512 @7 b8 (patches 3.2 MB, no window) ran in seven
+        # chunks over weights packed up front; in one, with its pixels read
+        # in place (see multiply_pixel_rows' halve_tiles), 3.81 -> 3.72 ms
+        # best, 4.22 -> 3.89 median (Zen 4, 2 threads, processes
+        # alternating, 6 rounds).  Small weights stay in L2 from chunk to
+        # chunk, and chunks keep their pixels there: one chunk made the
+        # input gradient of 3x3/2 64->128 @56 b8 (weights 128 KiB a phase)
+        # 4.67 -> 4.91 ms median.
         R = m_panels * MR
         n_chunks = 1
     n_ic = n_chunks
