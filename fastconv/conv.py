@@ -577,6 +577,10 @@ def _data_grad(dy, w2d, groups, geo, in_shape):
     OC = w2d.shape[0]
     if 0 not in in_shape and dy.size and _is_winograd(geo):
         flipped = _flipped_geometry(geo, in_shape[1:3])
+        if _thin_winograd_pays(groups, dy.shape[0], flipped, OC // groups):
+            # Few output channels: the input gradient is a thin layer.
+            return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape,
+                                       tile=2)
         if _winograd_pays(dy.shape[0], flipped, OC // groups, C // groups, False,
                           _args.dtype_name(dy.dtype)):
             return _winograd_data_grad(_channels_last(dy), w2d, groups, flipped, in_shape)
@@ -732,10 +736,11 @@ def _phase_data_grad(dy, w2d, geo, in_shape):
     return dx
 
 
-def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):
-    """The input gradient of a 3x3 stride-1 layer as the Winograd
-    convolution of dy with the flipped kernel (geometry `flipped`); the
-    kernels read w2d's taps backwards, so no flipped copy is made."""
+def _winograd_data_grad(dy, w2d, groups, flipped, in_shape, tile=4):
+    """The input gradient of a 3x3 stride-1 layer as the Winograd F(tile x
+    tile, 3x3) convolution of dy with the flipped kernel (geometry
+    `flipped`); the kernels read w2d's taps backwards, so no flipped copy is
+    made (tile 2: the thin path, for few output channels)."""
     C, OC = in_shape[3], w2d.shape[0]
     kernels, nt = _dispatch.kernels, get_num_threads()
     dx = np.empty(in_shape, dy.dtype)
@@ -746,7 +751,8 @@ def _winograd_data_grad(dy, w2d, groups, flipped, in_shape):
         return dx
     for c, oc in _group_slices(groups, C, OC):
         kernels.conv2d_winograd(dy[..., oc], w2d[oc], None, dx_rows[:, c], flipped.pad_before,
-                                flipped.out_hw, nt, flipped=True, dilation=flipped.dilation)
+                                flipped.out_hw, nt, flipped=True, dilation=flipped.dilation,
+                                tile=tile)
     return dx
 
 

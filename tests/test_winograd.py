@@ -40,6 +40,17 @@ def reference(x, w, b, pads, groups=1, activation=None, dilation=(1, 1)):
     return y
 
 
+def data_gradient_reference(x, w, dy, pads, groups=1, dilation=(1, 1)):
+    """float64 torch gradient, with respect to NHWC x, of reference(x, w,
+    None, pads, groups, dilation) for output gradient dy (NHWC)."""
+    (top, bottom), (left, right) = pads
+    tx = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2)).requires_grad_()
+    tw = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
+    F.conv2d(F.pad(tx, (left, right, top, bottom)), tw, groups=groups,
+             dilation=dilation).backward(torch.from_numpy(dy.astype(np.float64).transpose(0, 3, 1, 2)))
+    return tx.grad.numpy().transpose(0, 2, 3, 1)
+
+
 def max_error(y, ref):
     return np.abs(y.astype(np.float64) - ref).max()
 
@@ -671,11 +682,7 @@ def test_data_gradient_by_winograd(shape, padding, groups, dilation, dtype, monk
     (top, bottom), (left, right) = pads
     OH, OW = H + top + bottom - 2 * dh, W + left + right - 2 * dw
     dy = rng.standard_normal((N, OH, OW, OC)).astype(dtype)
-    tx = torch.from_numpy(x.astype(np.float64).transpose(0, 3, 1, 2)).requires_grad_()
-    tw = torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2))
-    F.conv2d(F.pad(tx, (left, right, top, bottom)), tw, groups=groups,
-             dilation=(dh, dw)).backward(torch.from_numpy(dy.astype(np.float64).transpose(0, 3, 1, 2)))
-    ref = tx.grad.numpy().transpose(0, 2, 3, 1)
+    ref = data_gradient_reference(x, w, dy, pads, groups, (dh, dw))
     flipped = fastconv.conv._flipped_geometry(
         fastconv.conv._Geometry((3, 3), (1, 1), (dh, dw), (top, left), (OH, OW)), (H, W))
     assert fastconv.conv._winograd_pays(N, flipped, OC // groups, C // groups, False)

@@ -9,9 +9,10 @@ import pytest
 import fastconv
 import fastconv.conv
 from fastconv import conv2d
-from reference import at_line_offset
-from test_winograd import (assert_same_for_every_thread_count, assert_specials_stay_in_tiles,
-                           check_against_direct, check_nchw_input, max_error, reference)
+from reference import at_line_offset, explicit_pads
+from test_winograd import (ERROR_RATIO, assert_same_for_every_thread_count,
+                           assert_specials_stay_in_tiles, check_against_direct, check_nchw_input,
+                           data_gradient_reference, max_error, reference)
 
 ISAS = fastconv._dispatch.AVAILABLE
 
@@ -183,3 +184,87 @@ def test_thin_winograd_kernel_refuses_bad_arguments():
     with pytest.raises(ValueError, match="w must be"):
         kernels.conv2d_winograd(x, np.zeros((8, 9 * 4), np.float32), None, y, (1, 1), (6, 6),
                                 1, tile=2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape, padding", [
+    # (N, H, W, C, OC) of the forward layer: the input gradient convolves
+    # dy's OC (thin) channels into C
+    ((2, 14, 15, 64, 3), 1),
+    ((1, 19, 23, 40, 15), ((2, 0), (1, 2))),   # part vectors, asymmetric padding
+    ((1, 9, 10, 130, 8), 0),                   # flipped padding 2: edges all padding
+    ((3, 7, 5, 16, 1), 2),                     # flipped padding 0
+    ((1, 12, 11, 24, 5), 3),                   # flipped padding below zero: a crop
+], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_thin_input_gradient_matches_torch(isa, shape, padding, dtype, monkeypatch):
+    """A 3x3 stride-1 layer with few output channels has a thin input
+    gradient (dy's channels in, the layer's input channels out), which the
+    thin path runs with the weight's taps reversed and its channels
+    swapped: against float64 torch under every ISA build, within 10x the
+    direct path's error."""
+    N, H, W, C, OC = shape
+    rng = np.random.default_rng(H * W + OC)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    pads = explicit_pads(padding, (H, W), (3, 3), (1, 1), (1, 1))
+    (top, bottom), (left, right) = pads
+    dy = rng.standard_normal((N, H + top + bottom - 2, W + left + right - 2, OC)).astype(dtype)
+    ref = data_gradient_reference(x, w, dy, pads)
+    tiles = []
+    data_grad = fastconv.conv._winograd_data_grad
+    monkeypatch.setattr(fastconv.conv, "_winograd_data_grad",
+                        lambda *a, **kw: tiles.append(kw.get("tile")) or data_grad(*a, **kw))
+    # the thin path under every build (auto takes it on AVX-512 only)
+    monkeypatch.setattr(fastconv.conv, "_thin_winograd_pays", lambda *args: True)
+    with fastconv._dispatch.use_isa(isa):
+        gx = fastconv.conv2d_backward(dy, x, w, padding=padding,
+                                      output_mask=(True, False, False))[0]
+        assert tiles == [2]
+        monkeypatch.setattr(fastconv.conv, "_thin_winograd_pays", lambda *args: False)
+        direct = fastconv.conv2d_backward(dy, x, w, padding=padding,
+                                          output_mask=(True, False, False))[0]
+    assert tiles == [2]          # not Winograd: few input channels for the general path
+    scale = np.abs(ref).max()
+    if dtype == np.float64:
+        assert max_error(gx, ref) <= 1e-12 * scale
+        return
+    assert max_error(gx, ref) <= ERROR_RATIO * max(max_error(direct, ref), 1e-7 * scale)
+    assert not np.array_equal(gx, direct)   # two paths ran
+
+
+def test_auto_takes_the_thin_input_gradient_where_measured(monkeypatch):
+    """auto runs a thin input gradient (few output channels) by the thin
+    path where the forward rule would (_thin_winograd_pays, of the flipped
+    geometry): on AVX-512 builds, 100 output pixels and more."""
+    tiles = []
+    data_grad = fastconv.conv._winograd_data_grad
+    monkeypatch.setattr(fastconv.conv, "_winograd_data_grad",
+                        lambda *a, **kw: tiles.append(kw.get("tile")) or data_grad(*a, **kw))
+    rng = np.random.default_rng(8)
+    for H, expected in [(12, [2] if fastconv._dispatch.kernels.ISA == "avx512" else []),
+                        (9, [])]:     # 81 pixels
+        tiles.clear()
+        x = rng.standard_normal((1, H, H, 32)).astype(np.float32)
+        w = rng.standard_normal((3, 3, 3, 32)).astype(np.float32)
+        dy = rng.standard_normal((1, H, H, 3)).astype(np.float32)
+        fastconv.conv2d_backward(dy, x, w, padding=1, output_mask=(True, False, False))
+        assert tiles == expected, H
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_thin_input_gradient_keeps_specials_in_tiles(isa, monkeypatch):
+    """NaN and inf in grad_output spread over the 2x2 tiles of the input
+    gradient whose windows hold them (the convolution of dy with the
+    flipped, channel-swapped kernel), never beyond."""
+    monkeypatch.setattr(fastconv.conv, "_thin_winograd_pays", lambda *args: True)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, 16, 15, 20)).astype(np.float32)
+    w = rng.standard_normal((3, 3, 3, 20)).astype(np.float32)
+    dy = rng.standard_normal((1, 16, 15, 3)).astype(np.float32)
+    dy[0, 4, 6, 1] = np.nan
+    dy[0, 11, 13, 0] = -np.inf
+    with fastconv._dispatch.use_isa(isa):
+        gx = fastconv.conv2d_backward(dy, x, w, padding=1, output_mask=(True, False, False))[0]
+    flipped = np.ascontiguousarray(w[:, ::-1, ::-1, :].transpose(3, 1, 2, 0))
+    assert_specials_stay_in_tiles(dy, flipped, gx, ((4, 6), (11, 13)), 2)

@@ -706,8 +706,9 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     cdef Py_ssize_t tiles = g.N * tl.tiles_h * tl.tiles_w
     cdef Py_ssize_t points = wino_points(tile)
     cdef int nt = threads_for(2.0 * points * tiles * g.C * OC, max_threads)
-    if tile == 2 and prepacked == NULL and not flipped and wino_thin_applies(g):
-        return winograd_thin_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, accumulate)
+    if tile == 2 and prepacked == NULL and wino_thin_applies(g):
+        return winograd_thin_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,
+                                   accumulate)
     if prepacked_few:
         return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, False,
                                   accumulate, &tl, tiles, prepacked)
@@ -897,8 +898,8 @@ def conv2d_winograd(const real[:, :, :, :] x, const real[:, :] w, bias, real[:, 
     packed None, pack_winograd_weights(w, tile=tile) or, for tile 4,
     pack_winograd_few_weights(w) (the few-tile path then runs, whatever the
     tiles).  tile 2 with at most winograd_thin_max_channels() input
-    channels, undilated, without packed filters and not flipped runs the
-    thin path (winograd_thin_frame.pxi).  flipped: w is (C, 3*3*OC),
+    channels, undilated and without packed filters runs the thin path
+    (winograd_thin_frame.pxi).  flipped: w is (C, 3*3*OC),
     the weight of the convolution whose input gradient this one is, used
     with its taps reversed and channels swapped (no packed weights then)."""
     check_unit_stride(x.shape[3], x.strides[3], sizeof(real), "x")

@@ -15,9 +15,9 @@ cdef extern from "winograd_thin_kernel.h":
     Py_ssize_t fc_wino_thin_chunk_tiles(Py_ssize_t C, size_t item) noexcept nogil
     Py_ssize_t fc_wino_thin_window_ld(Py_ssize_t C, Py_ssize_t nt) noexcept nogil
     void fc_wino_thin_filter_f32(const float* w, Py_ssize_t rsw, Py_ssize_t C, Py_ssize_t OC,
-                                 float* u) noexcept nogil
+                                 int flipped, float* u) noexcept nogil
     void fc_wino_thin_filter_f64(const double* w, Py_ssize_t rsw, Py_ssize_t C, Py_ssize_t OC,
-                                 double* u) noexcept nogil
+                                 int flipped, double* u) noexcept nogil
     void fc_wino_thin_window_f32(const float* x, Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t H,
                                  Py_ssize_t W, Py_ssize_t C, Py_ssize_t ih0, Py_ssize_t iw0,
                                  Py_ssize_t nt, float* d, float* t, float* v) noexcept nogil
@@ -46,9 +46,10 @@ def winograd_thin_max_channels():
 cdef int winograd_thin_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                              const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                              const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
-                             bint accumulate) noexcept nogil:
+                             bint flipped, bint accumulate) noexcept nogil:
     # winograd_forward_nogil's contract for tile 2, wino_thin_applies(g),
-    # filters transformed here.
+    # filters transformed here (flipped: from the weight of the convolution
+    # whose input gradient this is).
     cdef Py_ssize_t VL = VBYTES // sizeof(real), C = g.C
     cdef Py_ssize_t nvec = cdiv(OC, VL), u_size = 16 * C * nvec * VL
     cdef Py_ssize_t chunk = fc_wino_thin_chunk_tiles(C, sizeof(real))
@@ -63,9 +64,9 @@ cdef int winograd_thin_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         aligned_free(ws)
         return -1
     if real is float:
-        fc_wino_thin_filter_f32(w, rsw, C, OC, u)
+        fc_wino_thin_filter_f32(w, rsw, C, OC, flipped, u)
     else:
-        fc_wino_thin_filter_f64(w, rsw, C, OC, u)
+        fc_wino_thin_filter_f64(w, rsw, C, OC, flipped, u)
     # The bias padded to whole vectors (zeros without one), after U: the
     # kernels add a whole vector of it unconditionally.
     cdef real* bias_pad = u + u_size

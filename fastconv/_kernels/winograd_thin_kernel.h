@@ -269,9 +269,13 @@ static inline ptrdiff_t fc_wino_thin_window_ld(ptrdiff_t C, ptrdiff_t nt)
        output channels at a time, its rows transposed into wt first (taps \
        gathered lane by lane stalled every vector load on its 16 scalar   \
        stores; one filter at a time took 4.5 ns a filter: 10 us of a call \
-       with 8 -> 256 channels, a 50 us layer by implicit GEMM). */         \
+       with 8 -> 256 channels, a 50 us layer by implicit GEMM).  flipped: \
+       w is (C x 9*OC), the weight of the convolution whose input         \
+       gradient this is, its taps reversed: tap k of input channel c is   \
+       row c's tap 8 - k, whose output channels are already contiguous. */ \
     static void fc_wino_thin_filter_##SUFFIX(                                   \
-        const T *w, ptrdiff_t rsw, ptrdiff_t C, ptrdiff_t OC, T *restrict u)    \
+        const T *w, ptrdiff_t rsw, ptrdiff_t C, ptrdiff_t OC, int flipped,      \
+        T *restrict u)                                                          \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         enum { VL = FC_VBYTES / sizeof(T), TB = FC_TB_##SUFFIX };               \
@@ -280,10 +284,17 @@ static inline ptrdiff_t fc_wino_thin_window_ld(ptrdiff_t C, ptrdiff_t nt)
             ptrdiff_t ni = OC - q * VL < VL ? OC - q * VL : VL;                 \
             if (ni < VL)                                                        \
                 memset(wt, 0, 9 * C * VL * sizeof(T));                          \
-            for (ptrdiff_t j0 = 0; j0 < 9 * C; j0 += TB)                        \
-                fc_transpose_block_##SUFFIX(0, ni, j0,                          \
-                                            j0 + TB < 9 * C ? j0 + TB : 9 * C,  \
-                                            w + q * VL * rsw, rsw, wt, VL);     \
+            if (flipped)                                                        \
+                for (int k = 0; k < 9; k++)                                     \
+                    for (ptrdiff_t c = 0; c < C; c++)                           \
+                        memcpy(wt + (k * C + c) * VL,                           \
+                               w + c * rsw + (8 - k) * OC + q * VL,             \
+                               ni * sizeof(T));                                 \
+            else                                                                \
+                for (ptrdiff_t j0 = 0; j0 < 9 * C; j0 += TB)                    \
+                    fc_transpose_block_##SUFFIX(0, ni, j0,                      \
+                                                j0 + TB < 9 * C ? j0 + TB : 9 * C, \
+                                                w + q * VL * rsw, rsw, wt, VL); \
             for (ptrdiff_t c = 0; c < C; c++) {                                 \
                 VEC g[3][3], col[3], tcol[4], gt[4][3], row[4];                 \
                 for (int a = 0; a < 3; a++)                                     \
