@@ -306,6 +306,20 @@ _FUSED_MAX_TILES = 64
 _FEW_MAX_TILES = 8
 
 
+#: Layers with fewer than 16 output channels (an RGB output layer, a
+#: segmentation head) leave most of implicit GEMM's 32-wide register tiles
+#: empty; Winograd's GEMMs are as narrow, but 4x fewer per output, and its
+#: input transform then dominates.  Zen 4, 2 threads, best ms implicit /
+#: Winograd F(4x4), Cg -> OCg for OCg in 1, 3, 8, 15: at 112x112 b1 1.03-2.23
+#: for 32-256 input channels (16: 0.84-1.72), 224x224 b1 1.70-2.39 (16:
+#: 0.89-1.62), 56x56 b8 1.03-2.55 (16: 0.89-1.65); at 56x56 b1 0.87-2.34,
+#: at 28x28 0.55-2.14, at 14x14 0.20-1.48 and at 7x7 0.15-0.93 (the
+#: per-call overheads, over few tiles).  64->3 @224 b1: implicit 8.7 ms,
+#: Winograd 3.5, torch CL 4.1.
+_THIN_OUTPUT_MIN_CHANNELS = 32
+_THIN_OUTPUT_MIN_PIXELS = 112 * 112
+
+
 def _winograd_pays(N, geo, Cg, OCg, prepacked, dtype="float32"):
     """Whether Winograd beats implicit GEMM for this 3x3 stride-1 layer (per
     group).  Measured on Zen 4, 2 threads (benchmarks/README.md,
@@ -337,9 +351,11 @@ def _winograd_pays(N, geo, Cg, OCg, prepacked, dtype="float32"):
     0.080 vs 0.099), so the rule leaves them to implicit GEMM, and images
     where less than half of its 4x4 tiles' outputs are in the image
     (128->128 @5 b1 0.066 vs 0.058, b2 0.097 vs 0.093; @6 b1 0.067 vs
-    0.073, b2 0.095 vs 0.143)."""
+    0.073, b2 0.095 vs 0.143).  Fewer than 16 output channels: see
+    _THIN_OUTPUT_MIN_PIXELS."""
     if Cg < 16 or OCg < 16:
-        return False
+        return (OCg < 16 and Cg >= _THIN_OUTPUT_MIN_CHANNELS
+                and N * geo.out_hw[0] * geo.out_hw[1] >= _THIN_OUTPUT_MIN_PIXELS)
     tiles = _winograd_tiles(N, geo)
     if prepacked:
         return True

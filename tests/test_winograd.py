@@ -91,6 +91,7 @@ CASES = [
     ((1, 30, 30, 64, 48), 1, 1),
     ((1, 6, 6, 400, 40), 1, 1),                   # C over one GEMM k-block (KC 256, 384)
     ((1, 4, 4, 8, 600), 1, 1),                    # OC over one packed block (NC 512)
+    ((2, 12, 13, 64, 3), 1, 1),                   # an RGB output layer (auto: large images)
 ]
 
 
@@ -575,6 +576,13 @@ def test_packed_winograd_filters(isa, tile):
     (1, 7, 64, 64, 1, False, "implicit"),       # 4 tiles, 64x64: not fused
     (1, 56, 64, 64, 2, False, "implicit"),      # strided: never im2col, even
     (8, 56, 64, 64, 2, False, "implicit"),      # with 1.8 MiB of patches at b1
+    # fewer than 16 output channels: Winograd from 32 input channels and
+    # 112x112 output pixels (_THIN_OUTPUT_MIN_PIXELS)
+    (1, 224, 64, 3, 1, False, "winograd"),
+    (1, 112, 32, 15, 1, False, "winograd"),
+    (8, 56, 256, 1, 1, False, "winograd"),
+    (1, 56, 64, 3, 1, False, "implicit"),
+    (1, 224, 16, 3, 1, False, "implicit"),
 ])
 def test_auto_picks_by_shape(N, H, C, OC, stride, prepacked, expected):
     geo = fastconv.conv._Geometry((3, 3), (stride, stride), (1, 1), (1, 1),
@@ -667,6 +675,7 @@ def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
     ((1, 28, 28, 16, 16), 0, 1, 1),
     ((1, 28, 28, 32, 32), 2, 1, 2),            # dilated: the flipped conv is too
     ((2, 23, 19, 16, 24), ((1, 3), (4, 0)), 1, (3, 2)),
+    ((1, 112, 112, 3, 32), 1, 1, 1),           # an RGB input: a thin-output gradient
 ], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_data_gradient_by_winograd(shape, padding, groups, dilation, dtype, monkeypatch):
