@@ -1869,3 +1869,55 @@ def test_groups_in_parallel_match_torch_and_each_other(groups, C, OC, kernel, kw
         np.testing.assert_array_equal(y, results[1][0])
         np.testing.assert_array_equal(packed, results[1][1])
         np.testing.assert_array_equal(gx, results[1][2])
+
+
+# ------------------------------------------------- 1x1 layers with few outputs
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("OC, C, extras", [
+    (3, 64, dict()),
+    (2, 17, dict(bias=True)),
+    (15, 256, dict(bias=True, activation="relu")),
+    (8, 40, dict(residual=True, activation="relu6")),
+    (5, 1000, dict(bias=True, residual=True)),      # K rows 4000 bytes: 6 a tile
+    (1, 64, dict(bias=True)),                       # one channel: gemv
+])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_narrow_output_1x1_layers_match_torch(isa, OC, C, extras, dtype):
+    """1x1 layers with fewer than 16 output channels run by the narrow-output
+    GEMM (the short-M kernels, roles swapped: y^T = w @ x^T) on builds that
+    have it, with bias, residual and activation applied around its own
+    epilogue; every build must agree with torch."""
+    rng = np.random.default_rng(OC * C)
+    x = rng.standard_normal((2, 9, 11, C)).astype(dtype)
+    w = rng.standard_normal((OC, 1, 1, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype) if extras.get("bias") else None
+    r = rng.standard_normal((2, 9, 11, OC)).astype(dtype) if extras.get("residual") else None
+    act = extras.get("activation")
+    with fastconv._dispatch.use_isa(isa):
+        narrow = fastconv.conv._narrow_output_pays(1, x, w.reshape(OC, C))
+        y = conv2d(x, w, b, activation=act, residual=r)
+    # at most one vector of output channels: 16 float32, 8 float64
+    assert narrow == (isa == "avx512" and 2 <= OC <= 64 // np.dtype(dtype).itemsize)
+    ref = to_torch(x, "NHWC").double()
+    ref = F.conv2d(ref, torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)),
+                   None if b is None else torch.from_numpy(b.astype(np.float64)))
+    ref = from_torch(ref, "NHWC")
+    if r is not None:
+        ref = ref + r
+    if act is not None:
+        ref = np.clip(ref, 0, 6 if act == "relu6" else None)
+    assert_close(y, ref, dtype, C, "output")
+
+
+def test_narrow_output_gemm_refuses_what_it_does_not_run():
+    """The kernel entry checks its shapes and its limits (no read past w or
+    x, no write past y)."""
+    kernels = fastconv._dispatch.kernels
+    x = np.zeros((40, 8), np.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.narrow_output_gemm(x, np.zeros((3, 9), np.float32), 0.0,
+                                   np.zeros((40, 3), np.float32), 1)
+    with pytest.raises(ValueError):
+        kernels.narrow_output_gemm(x, np.zeros((40, 8), np.float32), 0.0,
+                                   np.zeros((40, 40), np.float32), 1)
