@@ -675,7 +675,6 @@ def test_forced_winograd_refuses_other_shapes(kernel, kwargs, message):
     ((1, 28, 28, 16, 16), 0, 1, 1),
     ((1, 28, 28, 32, 32), 2, 1, 2),            # dilated: the flipped conv is too
     ((2, 23, 19, 16, 24), ((1, 3), (4, 0)), 1, (3, 2)),
-    ((1, 112, 112, 3, 32), 1, 1, 1),           # an RGB input: a thin-output gradient
 ], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_data_gradient_by_winograd(shape, padding, groups, dilation, dtype, monkeypatch):
