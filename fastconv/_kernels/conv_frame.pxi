@@ -918,7 +918,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
                             const real* dy, Py_ssize_t rsdy,
                             const real* patches, Py_ssize_t ld, bint patches_left,
                             real* bpack, real* acc, Py_ssize_t acc_ld,
-                            bint overwrite=False) noexcept nogil:
+                            bint overwrite=False, bint streamed=False) noexcept nogil:
     # One thread's product over rows 0..rows of a chunk, for the patch
     # columns j0..j1, KC rows at a time, added into acc (or, overwrite,
     # stored over it by the first KC rows: acc need not be zeroed); either
@@ -930,7 +930,12 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     # 377-397 -> 415-449, 3x3 64->64 @56 388-405 -> 409-436, 512->512 @7
     # 366-383 -> 387-399, 1x1 256->64 @56 +3 %, 128->128 @28 and 256->256
     # @14 within 1-3 %; the patch rows on the right of dy, see
-    # conv_grad_weight_nogil.
+    # conv_grad_weight_nogil.  streamed: the patches are the image itself
+    # (patches_are_image), so both operands come from memory, and the
+    # kernels prefetch them ahead as they go (macro_kernel_ld's
+    # stream_ahead).  Not for patches built into a buffer: dy alone ahead
+    # measured alike there, and both ahead lost (3x3 64->64 @56 b8 9.5-9.6
+    # -> 9.9-12.1 ms).
     #   dy on the left:      acc[:, j0:j1] += dy^T @ patches[:, j0:j1]   (acc OC x K)
     #   patches on the left: acc[j0:j1, :] += patches[:, j0:j1]^T @ dy   (acc K x OC)
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
@@ -959,7 +964,7 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
         if in_place:
             macro_kernel_ld(mc, ncols, kc, 1, 0, cdiv(ncols, NR), a + pc * lda, 1, lda,
                             b + pc * rsb, c, acc_ld, 1, 1, beta, True, NULL, ACT_NONE, False,
-                            next_kc, False, rsb)
+                            next_kc, False, rsb, streamed)
         else:
             pack_b_rows(kc, ncols, b + pc * rsb, rsb, bpack)
             macro_kernel(mc, ncols, kc, 0, cdiv(ncols, NR), a + pc * lda, 1, lda, bpack, c,
@@ -1099,7 +1104,8 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
             m1 = min(M, m0 + R)
             patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + tid * R * ld, ld)
             grad_weight_chunk(m1 - m0, OC, 0, K, dy + m0 * rsdy, rsdy, patches, ldp, left,
-                              bpacks + tid * bpack_size, accs + tid * OC * K, acc_ld)
+                              bpacks + tid * bpack_size, accs + tid * OC * K, acc_ld, False,
+                              in_place)
     else:
         for t in prange(nt, num_threads=nt, schedule="static"):
             # Whole micro-tiles of the patch columns per thread: MR rows of
@@ -1114,7 +1120,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     patches = chunk_patches(g, x, xs, m0, m1, in_place, bufs + t * R * ld, ld)
                     grad_weight_chunk(m1 - m0, OC, j0, j1, dy + m0 * rsdy, rsdy, patches, ldp,
                                       left, bpacks + t * bpack_size, accs, acc_ld,
-                                      into_dw and chunk == 0)
+                                      into_dw and chunk == 0, in_place)
     cdef Py_ssize_t TB = 64 // sizeof(real), ib, jb
     if left:
         # The accumulators summed into the first one, in thread order, row

@@ -79,11 +79,12 @@ cdef extern from "micro_kernel.h":
     # B's panel values of a k contiguous, k ldb apart (NR: packed).
     void fc_kmajor_kernel_f32(int mr, Py_ssize_t kc, const float* a, Py_ssize_t lda,
                               const float* b, Py_ssize_t ldb, float* out,
-                              Py_ssize_t rso, int flags, const float* bias, int act) noexcept nogil
+                              Py_ssize_t rso, int flags, const float* bias, int act,
+                              Py_ssize_t pfa, Py_ssize_t pfb) noexcept nogil
     void fc_kmajor_kernel_f64(int mr, Py_ssize_t kc, const double* a, Py_ssize_t lda,
                               const double* b, Py_ssize_t ldb,
                               double* out, Py_ssize_t rso, int flags, const double* bias,
-                              int act) noexcept nogil
+                              int act, Py_ssize_t pfa, Py_ssize_t pfb) noexcept nogil
     double fc_dot_f64(const double* a, const double* x, Py_ssize_t n) noexcept nogil
     void fc_prefetch_rows(const void* p, Py_ssize_t nrows, Py_ssize_t row_stride,
                           Py_ssize_t row_bytes) noexcept nogil
@@ -151,6 +152,11 @@ cdef enum:
     # to an A.T view for B of at most this many bytes a row (b_in_place_ok;
     # 1 KiB rows, 256->256 @14, measured no better).
     B_IN_PLACE_MAX_BYTES = 512
+    # How many k ahead an A.T view's tiles (and a B read in place beside
+    # them) prefetch their own values as they walk k, where the caller says
+    # both stream from memory (macro_kernel_ld's stream_ahead).  16, 24, 32
+    # and 64 measured alike (1x1 256->64 @56 b8 weight gradient).
+    KMAJOR_PF_ROWS = 32
     # The short-M path's packed A^T stays within half an L2.  Its products
     # are at least SHORT_M_MIN_K deep: each tile ends in a scalar
     # transposed store of its R x M sums, which shallower ones do not pay
@@ -520,7 +526,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
                           const real* bpack, real* c, Py_ssize_t rsc, Py_ssize_t csc,
                           real alpha, real beta, bint first, const real* bias,
                           int act, bint stream, Py_ssize_t next_kc,
-                          bint pairs=False, Py_ssize_t rsb_in_place=0) noexcept nogil:
+                          bint pairs=False, Py_ssize_t rsb_in_place=0,
+                          bint stream_ahead=False) noexcept nogil:
     # One thread's task: its mc x kc block of A times the NR panels jp0..jp1
     # of the packed B block (panel jp at bpack + jp*NR*ldb), or, with
     # rsb_in_place (A.T views only, see gemm_nogil), of B itself: panel jp
@@ -552,7 +559,11 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # this frame once made stalled on memory for a quarter of a 1x1 weight
     # gradient), so each tile
     # prefetches its share of the next K block's rows (next_kc of them; 0:
-    # none), whole.
+    # none), whole.  With stream_ahead (operands that come from memory, not
+    # from a buffer this thread just built) its kernel also asks, at each
+    # k, for the values KMAJOR_PF_ROWS k on, of A and of a B read in place:
+    # a 1x1 weight gradient's image and dy (x^T @ dy) at batch 8, 32 MB
+    # read once, went 5.3-5.6 -> 4.0-4.2 ms (Zen 4, 2 threads).
     cdef Py_ssize_t MR = S_MR if real is float else D_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
@@ -575,6 +586,8 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # Row tiles of equal size (within one row), as in multiply_pixel_rows:
     # M = 49 as 9 + 4 x 10, not 4 x 12 + 1.
     cdef Py_ssize_t n_tiles = cdiv(mc, MR)
+    cdef Py_ssize_t pf_a = KMAJOR_PF_ROWS * csa * sizeof(real) if kmajor_a and stream_ahead else 0
+    cdef Py_ssize_t pf_b = KMAJOR_PF_ROWS * bstep * sizeof(real) if pf_a and rsb_in_place else 0
     for ip in range(n_tiles):
         ir = share_start(ip, mc, n_tiles)
         mr = share_start(ip + 1, mc, n_tiles) - ir
@@ -663,14 +676,14 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
             if real is float:
                 if kmajor_a:
                     fc_kmajor_kernel_f32(mr, kc, ap, csa, bpack + jr * panel_step, bstep, out,
-                                         rso, flags, out_bias, out_act)
+                                         rso, flags, out_bias, out_act, pf_a, pf_b)
                 else:
                     fc_micro_kernel_f32(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
                                         flags, out_bias, out_act)
             else:
                 if kmajor_a:
                     fc_kmajor_kernel_f64(mr, kc, ap, csa, bpack + jr * panel_step, bstep, out,
-                                         rso, flags, out_bias, out_act)
+                                         rso, flags, out_bias, out_act, pf_a, pf_b)
                 else:
                     fc_micro_kernel_f64(mr, kc, ap, ars, pf, bpack + jr * ldb, out, rso,
                                         flags, out_bias, out_act)

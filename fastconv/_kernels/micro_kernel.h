@@ -53,6 +53,9 @@
  *   x 3136 146 -> 230; 64 x 2048 x 3136, 64 panels a slice, 153-157
  *   either way).  Its B panel steps ldb values a k: NR when packed, B's
  *   row stride when a narrow B is read in place too (see gemm_nogil).
+ *   pfa, pfb: when not 0, each k step prefetches the tile's values of A
+ *   pfa bytes on (some k ahead), and of a B read in place pfb bytes on,
+ *   for operands streamed from memory (see macro_kernel_ld).
  * - An implicit-GEMM convolution (fc_shared_runs_kernel) has one run per
  *   kernel tap or kernel row, at the same offsets for every pixel: run t
  *   of row i starts at pix[i] + run_off[t].  Each of the R output pixels
@@ -115,14 +118,14 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     }
 
 #define FC_KERNEL_BODY(SUFFIX, T, MR, NR, NRUNS, ROW, KSTEP, PF)               \
-    FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, 1, NRUNS, ROW, KSTEP, NR, PF, b)
+    FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, 1, NRUNS, ROW, KSTEP, NR, PF, b, 0, 0)
 
 /* PANELS 1: the R x NR tile of the panel at b; 2: the R x 2NR tile of the
  * panels at b and b2 side by side (out's columns NR.. are b2's).  BSTEP:
  * values from one k of the panel to the next (NR packed; B's row stride
  * for a panel read in place, see fc_kmajor_kernel). */
 #define FC_KERNEL_BODY_PANELS(SUFFIX, T, MR, NR, PANELS, NRUNS, ROW, KSTEP,     \
-                              BSTEP, PF, B2)                                    \
+                              BSTEP, PF, B2, KPFA, KPFB)                        \
     {                                                                           \
         typedef fc_vec_##SUFFIX VEC;                                            \
         typedef fc_ivec_##SUFFIX IVEC;                                          \
@@ -153,6 +156,20 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
                         __builtin_prefetch(a + off[i] + (PF), 0, 2);            \
                     for (ptrdiff_t p = 0; p < pn; p++)                          \
                         FC_K_STEP(T, MR, NR, KSTEP, BSTEP)                      \
+                }                                                               \
+            else if (KPFA)                                                      \
+                /* A k-major A's (and a B read in place) values KPFA (KPFB)  \
+                   bytes on, that is some k ahead, asked for at each k: the \
+                   lines of MR values (and of the panel's NR). */            \
+                FC_UNROLL_2                                                     \
+                for (ptrdiff_t p = 0; p < kc; p++) {                            \
+                    FC_UNROLL for (int l = 0; l < (int)((MR) * sizeof(T)); l += 64) \
+                        __builtin_prefetch(a + (KPFA) + l, 0, 3);               \
+                    __builtin_prefetch(a + (KPFA) + ((MR) - 1) * sizeof(T), 0, 3); \
+                    if (KPFB)                                                   \
+                        FC_UNROLL for (int l = 0; l < (int)((NR) * sizeof(T)); l += 64) \
+                            __builtin_prefetch((const char *)b + (KPFB) + l, 0, 3); \
+                    FC_K_STEP(T, MR, NR, KSTEP, BSTEP)                          \
                 }                                                               \
             else                                                                \
                 /* two k a trip: Zen 5, 2 threads, builds alternating,      \
@@ -212,9 +229,9 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     static inline void fc_kmajor_kernel_##SUFFIX##_##R(                          \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t lda, const T *restrict b, \
         ptrdiff_t ldb, T *restrict out, ptrdiff_t rso, int flags,               \
-        const T *restrict bias, int act)                                        \
+        const T *restrict bias, int act, ptrdiff_t pfa, ptrdiff_t pfb)          \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 1, 1, FC_KMAJOR_ROW, lda * sizeof(T), \
-                          ldb, 0, b)
+                          ldb, 0, b, pfa, pfb)
 
 #define FC_MICRO_CASE(SUFFIX, T, R, NR)                                          \
     case R: fc_micro_kernel_##SUFFIX##_##R(kc, a0, rsa, pf, b, out, rso, flags, \
@@ -222,7 +239,7 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
 
 #define FC_KMAJOR_CASE(SUFFIX, T, R, NR)                                         \
     case R: fc_kmajor_kernel_##SUFFIX##_##R(kc, a0, lda, b, ldb, out, rso,      \
-                                            flags, bias, act); break;
+                                            flags, bias, act, pfa, pfb); break;
 
 
 /* Two adjacent NR panels at once (b, b2): an R x 2NR tile, for builds
@@ -236,13 +253,13 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
         const T *restrict b2_, T *restrict out, ptrdiff_t rso, int flags,       \
         const T *restrict bias, int act)                                        \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, nruns, FC_SHARED_RUNS_ROW,       \
-                          sizeof(T), NR, 0, b2_)                                \
+                          sizeof(T), NR, 0, b2_, 0, 0)                          \
     static __attribute__((noinline)) void fc_micro_pair_kernel_##SUFFIX##_##R( \
         ptrdiff_t kc, const T *restrict a0, ptrdiff_t rsa, ptrdiff_t pf,        \
         const T *restrict b, const T *restrict b2_, T *restrict out,            \
         ptrdiff_t rso, int flags, const T *restrict bias, int act)              \
     FC_KERNEL_BODY_PANELS(SUFFIX, T, R, NR, 2, 1, FC_PLAIN_ROW, sizeof(T), NR,  \
-                          pf, b2_)
+                          pf, b2_, 0, 0)
 #define FC_PAIR_CASE(SUFFIX, T, R, NR)                                           \
     case R: fc_shared_runs_pair_kernel_##SUFFIX##_##R(nruns, run_off, pix, kc,  \
                                                       b, b2, out, rso, flags,   \
@@ -284,7 +301,8 @@ enum { FC_OUT_ADD = 1, FC_OUT_STREAM = 2 };
     }                                                                           \
     static inline void fc_kmajor_kernel_##SUFFIX(                               \
         int mr, ptrdiff_t kc, const T *a0, ptrdiff_t lda, const T *b,           \
-        ptrdiff_t ldb, T *out, ptrdiff_t rso, int flags, const T *bias, int act) \
+        ptrdiff_t ldb, T *out, ptrdiff_t rso, int flags, const T *bias, int act, \
+        ptrdiff_t pfa, ptrdiff_t pfb)                                           \
     {                                                                           \
         switch (mr) { FC_FOR_ROWS(FC_KMAJOR_CASE, SUFFIX, T, NR) }              \
     }
