@@ -900,6 +900,49 @@ def test_weight_gradient_of_one_output_channel(isa, dtype, C, stride):
     assert_close(gw, ref, dtype, xs.shape[0] * xs.shape[1] * xs.shape[2], "grad_weight")
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, harmless
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, view", [
+    # a kernel row's taps as one window of KW*C values (192), borders tap by tap
+    ((1, 13, 11, 64), (3, 3, 3, 64), dict(padding=1), None),
+    # 60-value windows: whole vectors, then the last lanes of one; 4 + 1 channels
+    ((2, 9, 10, 20), (5, 3, 3, 20), dict(padding=1), None),
+    ((2, 12, 9, 24), (16, 3, 3, 24), dict(stride=2, padding=(1, 2)), None),
+    ((1, 9, 8, 16), (3, 4, 4, 16), dict(padding="same"), None),
+    # dilated: tap by tap
+    ((1, 8, 7, 32), (1, 3, 3, 32), dict(padding=2, dilation=2), None),
+    # an image narrower than the kernel: every pixel a border pixel
+    ((2, 5, 3, 40), (4, 5, 5, 40), dict(padding=2), None),
+    ((1, 1, 1, 48), (2, 3, 3, 48), dict(padding=1), None),
+    ((2, 11, 10, 32), (3, 2, 2, 32), dict(stride=3), None),
+    ((1, 6, 6, 16), (15, 1, 1, 16), dict(stride=2), None),
+    # groups: a group's channels are a slice of each pixel, tap by tap
+    ((2, 7, 8, 64), (6, 3, 3, 32), dict(padding=1, groups=2), None),
+    # rows of the image two apart in memory
+    ((2, 7, 9, 32), (3, 3, 3, 32), dict(padding=1), "every other row"),
+    # the GEMM's path, just past the few-outputs one
+    ((2, 7, 9, 32), (17, 3, 3, 32), dict(padding=1), None),
+])
+def test_weight_gradient_of_few_output_channels(isa, dtype, x_shape, w_shape, kwargs, view):
+    """Layers with at most 16 output channels take few_outputs_kernel.h's
+    tiles, straight from the image (grad_weight_few_outputs): against
+    float64 torch for every geometry its row walk distinguishes."""
+    rng = np.random.default_rng(x_shape[3] * 100 + w_shape[0])
+    x = rng.standard_normal(x_shape).astype(dtype)
+    if view:
+        x = np.repeat(x, 2, axis=1)[:, ::2]
+        assert not x.flags.c_contiguous
+    w = rng.standard_normal(w_shape).astype(dtype)
+    b = np.zeros(w_shape[0], dtype)
+    with fastconv._dispatch.use_isa(isa):
+        y = conv2d(x, w, **kwargs)
+        dy = rng.standard_normal(y.shape).astype(dtype)
+        gw = conv2d_backward(dy, x, w, **kwargs, output_mask=(False, True, False))[1]
+    ref_gw = torch_grads(x, w, b, dy, **kwargs)[2]
+    assert_close(gw, ref_gw, dtype, dy.size // dy.shape[3], "grad_weight")
+
+
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("C, OC", [(32, 2), (64, 3), (32, 64)])

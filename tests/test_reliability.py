@@ -585,12 +585,24 @@ dy = np.ones((1, 1, 1, 1), f32)
 xd = np.ones((1, 64, 64, 8192), f32)          # depthwise grad weight: partials
 wd = np.ones((8192, 64, 64, 1), f32)          # 2 x 64*64*8192 floats = 256 MiB
 dyd = np.ones((1, 1, 1, 8192), f32)
+# Weight gradients: of one output channel, an accumulator as large as the
+# result per thread (126 MB: the result fits, result and accumulator do
+# not); of 17, the GEMM's chunks of 252 patch rows of K = 9*32768 values
+# (297 MB per thread) for a 20 MB result.
+CF = 15 << 20
+xf = np.ones((1, 1, 2, CF), f32)
+wf = np.ones((1, 1, 2, CF), f32)
+xg = np.ones((1, 16, 16, 1 << 15), f32)
+wg = np.ones((17, 3, 3, 1 << 15), f32)
+dyg = np.ones((1, 16, 16, 17), f32)
 limit(200 << 20)
 res = {}
 for name, f in {
     "conv2d": lambda: fastconv.conv2d(x, w),
     "grad_input": lambda: fastconv.conv2d_backward(dy, x, w, output_mask=(True, False, False)),
-    "grad_weight": lambda: fastconv.conv2d_backward(dy, x, w, output_mask=(False, True, False)),
+    "grad_weight": lambda: fastconv.conv2d_backward(dy, xf, wf, output_mask=(False, True, False)),
+    "grad_weight GEMM": lambda: fastconv.conv2d_backward(
+        dyg, xg, wg, padding=1, output_mask=(False, True, False)),
     "depthwise grad_weight": lambda: fastconv.conv2d_backward(
         dyd, xd, wd, groups=8192, output_mask=(False, True, False)),
 }.items():
