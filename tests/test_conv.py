@@ -921,13 +921,17 @@ def test_weight_gradient_of_one_output_channel(isa, dtype, C, stride):
     ((2, 7, 8, 64), (6, 3, 3, 32), dict(padding=1, groups=2), None),
     # rows of the image two apart in memory
     ((2, 7, 9, 32), (3, 3, 3, 32), dict(padding=1), "every other row"),
+    # up to 48 output channels on rows at least 28 wide
+    ((1, 30, 29, 16), (40, 3, 3, 16), dict(padding=1), None),
     # the GEMM's path, just past the few-outputs one
     ((2, 7, 9, 32), (17, 3, 3, 32), dict(padding=1), None),
+    ((1, 30, 27, 16), (40, 3, 3, 16), dict(padding=1), None),
 ])
 def test_weight_gradient_of_few_output_channels(isa, dtype, x_shape, w_shape, kwargs, view):
-    """Layers with at most 16 output channels take few_outputs_kernel.h's
-    tiles, straight from the image (grad_weight_few_outputs): against
-    float64 torch for every geometry its row walk distinguishes."""
+    """Layers with at most 16 output channels (48 on wide rows) take
+    few_outputs_kernel.h's tiles, straight from the image
+    (grad_weight_few_outputs): against float64 torch for every geometry
+    its row walk distinguishes."""
     rng = np.random.default_rng(x_shape[3] * 100 + w_shape[0])
     x = rng.standard_normal(x_shape).astype(dtype)
     if view:

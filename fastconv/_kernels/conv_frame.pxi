@@ -42,9 +42,13 @@ cdef enum:
     # A test-sized chunk budget below this also lifts the GRAD_W_MIN_ROWS
     # floor.
     CHUNK_BYTES_FLOOR = 65536
-    # Weight gradients of layers with at most this many output channels run
-    # few_outputs_kernel.h's tiles instead of the GEMM's.
+    # Weight gradients of layers with at most FEW_OUTPUTS_MAX_OC output
+    # channels run few_outputs_kernel.h's tiles instead of the GEMM's, and
+    # of layers with up to FEW_OUTPUTS_WIDE_MAX_OC where output rows are at
+    # least FEW_OUTPUTS_WIDE_MIN_OW wide; see few_outputs_applies.
     FEW_OUTPUTS_MAX_OC = 16
+    FEW_OUTPUTS_WIDE_MAX_OC = 48
+    FEW_OUTPUTS_WIDE_MIN_OW = 28
     # Below this many elements per thread, waking a team for a memory-bound
     # copy costs more than the extra bandwidth brings.
     COPY_ELEMENTS_PER_THREAD = 65536
@@ -1051,12 +1055,22 @@ cdef inline bint few_outputs_window(const ConvGeom* g, ImageStrides xs) noexcept
 
 cdef inline bint few_outputs_applies(const ConvGeom* g, ImageStrides xs, Py_ssize_t OC,
                                      real dtype_tag) noexcept nogil:
-    # grad_weight_few_outputs for at most FEW_OUTPUTS_MAX_OC output channels
-    # whose products (a kernel row's window, or a tap's C channels) are at
-    # least a vector wide: VGG's 3x3 3->8, 9-value windows, ran 0.55 ->
-    # 0.87 ms that way (its columns one at a time).
+    # grad_weight_few_outputs for products (a kernel row's window, or a
+    # tap's C channels) at least a vector wide: a 3x3 3->8 layer, 9-value
+    # windows, ran 0.55 -> 0.87 ms that way (its columns one at a time).
+    # Each call adds its tiles into the accumulator once per output row, so
+    # more output channels need wider rows to pay.  Zen 4, 2 threads,
+    # float32 3x3 unless said, alternating processes, best ms GEMM -> here:
+    # 64->24 @56 b8 5.56 -> 3.37, 64->32 5.34 -> 4.44, 64->48 9.74 ->
+    # 6.77, 64->64 9.46 -> 8.87 but b1 1.21 -> 1.37; 256->48 @28 b1 1.07 ->
+    # 1.13, 512->40 @14 b2 0.98 -> 1.11, 512->32 @7 b1 0.14 -> 0.35; with
+    # at most 16: 512->16 @7 b1 0.084 -> 0.106, 256->16 @14 b1 0.14 ->
+    # 0.11, 512->8 @7 b8 0.40 -> 0.21.
     cdef Py_ssize_t width = g.C * (g.KW if few_outputs_window(g, xs) else 1)
-    return OC <= FEW_OUTPUTS_MAX_OC and width * <Py_ssize_t>sizeof(real) >= VBYTES
+    if width * <Py_ssize_t>sizeof(real) < VBYTES:
+        return False
+    return OC <= FEW_OUTPUTS_MAX_OC or (OC <= FEW_OUTPUTS_WIDE_MAX_OC
+                                        and g.OW >= FEW_OUTPUTS_WIDE_MIN_OW)
 
 
 cdef void few_outputs_output_row(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -1101,9 +1115,10 @@ cdef void few_outputs_output_row(const ConvGeom* g, const real* x, ImageStrides 
 cdef int grad_weight_few_outputs(const ConvGeom* g, const real* x, ImageStrides xs,
                                  const real* dy, Py_ssize_t rsdy, Py_ssize_t OC,
                                  real* dw, Py_ssize_t rsdw, int max_threads) noexcept nogil:
-    # conv_grad_weight_nogil for at most FEW_OUTPUTS_MAX_OC output channels:
-    # few_outputs_kernel.h's tiles, reading the image where it lies (no
-    # patch rows: built for 3 output channels, they took 55 % of the time).
+    # conv_grad_weight_nogil for layers with few output channels
+    # (few_outputs_applies): few_outputs_kernel.h's tiles, reading the image
+    # where it lies (no patch rows: built for 3 output channels, they took
+    # 55 % of the time).
     # Threads split the output rows, each into an OC x K accumulator of its
     # own, summed at the end in thread order.
     cdef Py_ssize_t K = patch_cols(g), rows = g.N * g.OH
