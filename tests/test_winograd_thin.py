@@ -16,6 +16,18 @@ from test_winograd import (ERROR_RATIO, assert_same_for_every_thread_count,
 
 ISAS = fastconv._dispatch.AVAILABLE
 
+
+@pytest.fixture
+def data_grad_tiles(monkeypatch):
+    """The tile size of each Winograd input gradient run from here on (a
+    list, appended to by a wrapper of conv._winograd_data_grad)."""
+    tiles = []
+    data_grad = fastconv.conv._winograd_data_grad
+    monkeypatch.setattr(fastconv.conv, "_winograd_data_grad",
+                        lambda *a, **kw: tiles.append(kw.get("tile")) or data_grad(*a, **kw))
+    return tiles
+
+
 CASES = [
     # (N, H, W, C, OC), padding
     ((1, 1, 1, 1, 1), 1),                      # one pixel, one channel
@@ -197,7 +209,8 @@ def test_thin_winograd_kernel_refuses_bad_arguments():
     ((1, 12, 11, 24, 5), 3),                   # flipped padding below zero: a crop
 ], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_thin_input_gradient_matches_torch(isa, shape, padding, dtype, monkeypatch):
+def test_thin_input_gradient_matches_torch(isa, shape, padding, dtype, data_grad_tiles,
+                                           monkeypatch):
     """A 3x3 stride-1 layer with few output channels has a thin input
     gradient (dy's channels in, the layer's input channels out), which the
     thin path runs with the weight's taps reversed and its channels
@@ -211,10 +224,7 @@ def test_thin_input_gradient_matches_torch(isa, shape, padding, dtype, monkeypat
     (top, bottom), (left, right) = pads
     dy = rng.standard_normal((N, H + top + bottom - 2, W + left + right - 2, OC)).astype(dtype)
     ref = data_gradient_reference(x, w, dy, pads)
-    tiles = []
-    data_grad = fastconv.conv._winograd_data_grad
-    monkeypatch.setattr(fastconv.conv, "_winograd_data_grad",
-                        lambda *a, **kw: tiles.append(kw.get("tile")) or data_grad(*a, **kw))
+    tiles = data_grad_tiles
     # the thin path under every build (auto takes it on AVX-512 only)
     monkeypatch.setattr(fastconv.conv, "_thin_winograd_pays", lambda *args: True)
     with fastconv._dispatch.use_isa(isa):
@@ -233,14 +243,11 @@ def test_thin_input_gradient_matches_torch(isa, shape, padding, dtype, monkeypat
     assert not np.array_equal(gx, direct)   # two paths ran
 
 
-def test_auto_takes_the_thin_input_gradient_where_measured(monkeypatch):
+def test_auto_takes_the_thin_input_gradient_where_measured(data_grad_tiles):
     """auto runs a thin input gradient (few output channels) by the thin
     path where the forward rule would (_thin_winograd_pays, of the flipped
     geometry): on AVX-512 builds, 100 output pixels and more."""
-    tiles = []
-    data_grad = fastconv.conv._winograd_data_grad
-    monkeypatch.setattr(fastconv.conv, "_winograd_data_grad",
-                        lambda *a, **kw: tiles.append(kw.get("tile")) or data_grad(*a, **kw))
+    tiles = data_grad_tiles
     rng = np.random.default_rng(8)
     for H, expected in [(12, [2] if fastconv._dispatch.kernels.ISA == "avx512" else []),
                         (9, [])]:     # 81 pixels

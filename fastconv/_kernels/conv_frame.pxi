@@ -950,11 +950,11 @@ cdef void grad_weight_chunk(Py_ssize_t rows, Py_ssize_t OC, Py_ssize_t j0, Py_ss
     # 366-383 -> 387-399, 1x1 256->64 @56 +3 %, 128->128 @28 and 256->256
     # @14 within 1-3 %; the patch rows on the right of dy, see
     # conv_grad_weight_nogil.  streamed: the patches are the image itself
-    # (patches_are_image), so both operands come from memory, and the
-    # kernels prefetch them ahead as they go (macro_kernel_ld's
-    # stream_ahead).  Not for patches built into a buffer: dy alone ahead
-    # measured alike there, and both ahead lost (3x3 64->64 @56 b8 9.5-9.6
-    # -> 9.9-12.1 ms).
+    # (patches_are_image), so both operands come from memory, and where
+    # the right one is read in place too the kernels prefetch both ahead as
+    # they go (macro_kernel_ld's stream_ahead).  Not for patches built into
+    # a buffer: dy alone ahead measured alike there, and both ahead lost
+    # (3x3 64->64 @56 b8 9.5-9.6 -> 9.9-12.1 ms).
     #   dy on the left:      acc[:, j0:j1] += dy^T @ patches[:, j0:j1]   (acc OC x K)
     #   patches on the left: acc[j0:j1, :] += patches[:, j0:j1]^T @ dy   (acc K x OC)
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
