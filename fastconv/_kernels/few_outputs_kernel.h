@@ -10,7 +10,8 @@
  * of the tile idled: 3x3 64->3 @224 b1 took 11 ms, torch 4.4.  Here up to
  * four output channels are the broadcast rows, and NV vectors of patch
  * columns the tile's width: each patch row is read once per four output
- * channels, where it lies (a chunk of patch rows, or the image itself).
+ * channels, where it lies (windows of the image's rows: see
+ * grad_weight_few_outputs in conv_frame.pxi).
  */
 #ifndef FASTCONV_FEW_OUTPUTS_KERNEL_H
 #define FASTCONV_FEW_OUTPUTS_KERNEL_H
