@@ -1112,6 +1112,22 @@ cdef void few_outputs_output_row(const ConvGeom* g, const real* x, ImageStrides 
                                     acc + (kh * g.KW + kw) * C, K)
 
 
+cdef void sum_accumulators(const real* accs, Py_ssize_t n_acc, Py_ssize_t OC, Py_ssize_t K,
+                           real* dw, Py_ssize_t rsdw, int nt) noexcept nogil:
+    # dw (OC x K, rows rsdw apart) = the n_acc OC x K accumulators at accs
+    # summed, in their order (so the result depends on the thread count
+    # only, not on the schedule).
+    cdef Py_ssize_t oc, i, t
+    cdef const real* acc
+    for oc in prange(OC, num_threads=nt, schedule="static"):
+        for i in range(K):
+            dw[oc * rsdw + i] = accs[oc * K + i]
+        for t in range(1, n_acc):
+            acc = accs + t * OC * K + oc * K
+            for i in range(K):
+                dw[oc * rsdw + i] += acc[i]
+
+
 cdef int grad_weight_few_outputs(const ConvGeom* g, const real* x, ImageStrides xs,
                                  const real* dy, Py_ssize_t rsdy, Py_ssize_t OC,
                                  real* dw, Py_ssize_t rsdw, int max_threads) noexcept nogil:
@@ -1128,18 +1144,12 @@ cdef int grad_weight_few_outputs(const ConvGeom* g, const real* x, ImageStrides 
     if accs == NULL:
         return -1
     memset(accs, 0, nt * OC * K * sizeof(real))
-    cdef Py_ssize_t t, r, oc, i
-    cdef real v
+    cdef Py_ssize_t t, r
     for t in prange(nt, num_threads=nt, schedule="static"):
         for r in range(share_start(t, rows, nt), share_start(t + 1, rows, nt)):
             few_outputs_output_row(g, x, xs, dy, rsdy, OC, r // g.OH, r % g.OH,
                                    accs + t * OC * K)
-    for oc in prange(OC, num_threads=nt, schedule="static"):
-        for i in range(K):
-            v = accs[oc * K + i]
-            for t in range(1, nt):
-                v = v + accs[(t * OC + oc) * K + i]
-            dw[oc * rsdw + i] = v
+    sum_accumulators(accs, nt, OC, K, dw, rsdw, nt)
     aligned_free(accs)
     return 0
 
@@ -1271,13 +1281,7 @@ cdef int conv_grad_weight_nogil(const ConvGeom* g, const real* x, ImageStrides x
                     fc_transpose_block_f64(ib * TB, min(K, ib * TB + TB), jb * TB,
                                            min(OC, jb * TB + TB), accs, OC, dw, rsdw)
     elif not into_dw:
-        for oc in prange(OC, num_threads=nt, schedule="static"):
-            for i in range(K):
-                dw[oc * rsdw + i] = accs[oc * K + i]
-            for t in range(1, n_acc):
-                acc = accs + t * OC * K + oc * K
-                for i in range(K):
-                    dw[oc * rsdw + i] += acc[i]
+        sum_accumulators(accs, n_acc, OC, K, dw, rsdw, nt)
     aligned_free(bufs)
     aligned_free(bpacks)
     aligned_free(own_accs)
