@@ -6,6 +6,7 @@ chosen, or the one named by the FASTCONV_ISA environment variable.
 """
 import contextlib
 import importlib
+import importlib.util
 import os
 
 from ._kernels import _runtime
@@ -15,15 +16,15 @@ ISA_ORDER = ("avx512", "avx2", "baseline")
 
 
 def _built(isa):
-    try:
-        importlib.import_module(f"fastconv._kernels.gemm_{isa}")
-    except ImportError:
-        return False
-    return True
+    # Looks for the module without importing it: a build's module init is
+    # compiled with that build's flags, so importing the AVX-512 build on a
+    # CPU without AVX-512 dies of SIGILL before any check could run (seen on
+    # Zen 3).  Only a runnable build is ever imported.
+    return importlib.util.find_spec(f"fastconv._kernels.gemm_{isa}") is not None
 
 
 def _runnable(isa):
-    return _built(isa) and _runtime.cpu_supports(isa)
+    return _runtime.cpu_supports(isa) and _built(isa)
 
 
 AVAILABLE = tuple(isa for isa in ISA_ORDER if _runnable(isa))

@@ -155,6 +155,25 @@ def test_default_isa_is_the_best_runnable():
     assert info["err"] < 1e-3
 
 
+@pytest.mark.parametrize("isa", [None, *AVAILABLE])
+def test_import_loads_only_the_build_it_runs(isa):
+    # A build's module init runs that build's instructions: importing the
+    # AVX-512 build merely to see whether it exists killed `import fastconv`
+    # with SIGILL on a CPU without AVX-512 (Zen 3).  Finding the builds must
+    # not import them; only the one chosen is loaded.
+    r = run_python("""
+        import sys
+        import fastconv
+        from fastconv import _dispatch
+        print(_dispatch.current_isa(), sorted(m.rsplit(".", 1)[1] for m in sys.modules
+                                               if m.startswith("fastconv._kernels.gemm_")))
+    """, FASTCONV_ISA=isa)
+    assert r.returncode == 0, r.stderr
+    chosen, loaded = r.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert chosen == (isa or AVAILABLE[0])
+    assert loaded == repr([f"gemm_{chosen}"])
+
+
 @pytest.mark.parametrize("isa", AVAILABLE)
 def test_env_var_forces_isa(isa):
     info = probe(FASTCONV_ISA=isa)
