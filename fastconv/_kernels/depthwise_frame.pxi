@@ -38,6 +38,7 @@ cdef extern from "depthwise_kernel.h":
                                              Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
                                              Py_ssize_t lo, Py_ssize_t hi, const double* dy,
                                              double* dw) noexcept nogil
+    bint FC_DW3_CAN_STREAM
 
 cdef enum:
     # Taps per kernel the pointer lists hold on the stack; larger kernels (or
@@ -245,8 +246,9 @@ cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
         # whole aligned vectors when C is a multiple of them.  Past 8x the
         # GEMM's threshold (can_stream), 8 MiB: in a loop of calls a smaller
         # one comes back from L3 (Zen 4, 2 threads, 576 @14 batch 8, a 3.6
-        # MB output: 134 us streamed, 110 stored).
-        stream = (g.N * g.OH * g.OW * OC * <Py_ssize_t>sizeof(real)
+        # MB output: 134 us streamed, 110 stored).  Only where a vector is a
+        # whole cache line (FC_DW3_CAN_STREAM).
+        stream = (FC_DW3_CAN_STREAM and g.N * g.OH * g.OW * OC * <Py_ssize_t>sizeof(real)
                   > DEPTHWISE_STREAM_FACTOR * stream_bytes
                   and (OC * <Py_ssize_t>sizeof(real)) % VBYTES == 0 and (<size_t>y) % 64 == 0)
         if not stream:
