@@ -246,11 +246,12 @@ cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
         # whole aligned vectors when C is a multiple of them.  Past 8x the
         # GEMM's threshold (can_stream), 8 MiB: in a loop of calls a smaller
         # one comes back from L3 (Zen 4, 2 threads, 576 @14 batch 8, a 3.6
-        # MB output: 134 us streamed, 110 stored).  Only where a vector is a
-        # whole cache line (FC_DW3_CAN_STREAM).
+        # MB output: 134 us streamed, 110 stored).  Only where a pass stores
+        # whole cache lines (FC_DW3_CAN_STREAM) and the channels fill whole
+        # lines (no pass of a lone vector).
         stream = (FC_DW3_CAN_STREAM and g.N * g.OH * g.OW * OC * <Py_ssize_t>sizeof(real)
                   > DEPTHWISE_STREAM_FACTOR * stream_bytes
-                  and (OC * <Py_ssize_t>sizeof(real)) % VBYTES == 0 and (<size_t>y) % 64 == 0)
+                  and (OC * <Py_ssize_t>sizeof(real)) % 64 == 0 and (<size_t>y) % 64 == 0)
         if not stream:
             # (Streamed vectors are y's, aligned; then the loads stay as
             # they fall.)

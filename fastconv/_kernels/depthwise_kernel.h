@@ -186,23 +186,34 @@
         *dst = v;                                                               \
     }
 
-/* Channel vectors per pass over a row: two where 32 registers hold their
- * 18 weights (one pass reads each input line once for both: 32 channels
- * @112 on 2 threads, 0.094 -> 0.088 ms at batch 1, 0.61 -> 0.55 at batch
- * 8), one where there are 16 registers. */
-#if FC_VBYTES == 64
+/* Channel vectors per pass over a row: two, so that one pass reads each
+ * input line once for both and stores whole 64-byte lines of output with
+ * 32-byte vectors too.  With 32 registers their 18 weights stay in them
+ * (AVX-512: 32 channels @112 on 2 threads, 0.094 -> 0.088 ms at batch 1,
+ * 0.61 -> 0.55 at batch 8); with AVX2's 16 some are read from L1 as FMA
+ * operands, which cost less than the second pass over the input: Zen 3,
+ * 2 threads, 576 @14 batch 8 (not streamed), alternating processes, best
+ * ms 0.27-0.45 -> 0.24-0.40, median 0.44-0.53 -> 0.35-0.44.  One with
+ * 16-byte vectors (the baseline build), never measured otherwise. */
+#if FC_VBYTES >= 32
 #define FC_DW3_VECS 2
 #else
 #define FC_DW3_VECS 1
 #endif
 
-/* Whether the row kernel may stream its output: a pass stores one vector
- * of channels per pixel, the next pass its neighbours, a row later, so only
- * vectors of a whole 64-byte line reach memory as whole lines.  Half lines
- * (AVX2's 32-byte vectors) leave every write-combining buffer half full:
- * Zen 3, 2 threads, 32 channels @112 batch 8, y reused, 2.95 ms streamed
- * against 1.29-1.71 stored (144 @56 b8 3.5-3.6 vs 1.9-2.0). */
-#define FC_DW3_CAN_STREAM (FC_VBYTES >= 64)
+/* Whether the row kernel may stream its output: a pass stores its vectors
+ * of channels for each pixel, the next pass their neighbours a row later,
+ * so only passes of a whole 64-byte line reach memory as whole lines (and
+ * only where C fills whole lines: see depthwise_forward_nogil).  Half lines
+ * (AVX2's 32-byte vectors, one a pass) left every write-combining buffer
+ * half full: Zen 3, 2 threads, 32 channels @112 batch 8, y reused, 2.95
+ * ms streamed against 1.29-1.71 stored (144 @56 b8 3.5-3.6 vs 1.9-2.0).
+ * Two a pass, whole lines, alternating processes, best ms stored (one
+ * vector a pass) -> streamed: 32 @112 b8 1.24-2.31 -> 0.76-1.80, 144 @56
+ * b8 2.2-3.2 -> 1.3-2.9; but 96 @112 b8, whose 38 MB input alone
+ * overflows L3, 5.6-8.6 -> 6.5-12.3.  (In a 1x1 -> depthwise -> 1x1
+ * sequence at batch 8 the change was lost in the noise of the 1x1s.) */
+#define FC_DW3_CAN_STREAM (FC_DW3_VECS * FC_VBYTES >= 64)
 
 /* act: 0 none, 1 relu, 2 relu6.  stream: y is vector-aligned, C a
  * multiple of the vector length, and the output large (see
