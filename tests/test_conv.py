@@ -1184,6 +1184,8 @@ def test_depthwise_threads_give_identical_results(x_shape, k, request):
     (100, dict(padding=1, stride=2)),             # a partial last vector, stride 2
     (72, dict(padding=2, dilation=2)),
     (64, dict(padding=1)),                        # four AVX-512 vectors, the fewest shifted
+    (48, dict(padding=1)),                        # three lines: pairs of AVX2 vectors stream,
+                                                  # AVX-512's last vector alone
 ])
 def test_depthwise_at_every_input_alignment(isa, dtype, C, kwargs, request):
     """The 3x3 row kernel starts its channel vectors after the first on the
