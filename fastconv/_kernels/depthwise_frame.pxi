@@ -242,8 +242,8 @@ cdef bint depthwise_forward_nogil(const ConvGeom* g, Py_ssize_t mult,
     cdef bint stream
     cdef Py_ssize_t head = 0
     if mult == 1 and g.KH == 3 and g.KW == 3:
-        # A large output streams past the caches: it is written once, by
-        # whole aligned vectors when C is a multiple of them.  Past 8x the
+        # A large output streams past the caches: it is written once, in
+        # whole aligned lines when C fills them.  Past 8x the
         # GEMM's threshold (can_stream), 8 MiB: in a loop of calls a smaller
         # one comes back from L3 (Zen 4, 2 threads, 576 @14 batch 8, a 3.6
         # MB output: 134 us streamed, 110 stored).  Only where a pass stores

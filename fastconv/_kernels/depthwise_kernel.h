@@ -190,11 +190,12 @@
  * input line once for both and stores whole 64-byte lines of output with
  * 32-byte vectors too.  With 32 registers their 18 weights stay in them
  * (AVX-512: 32 channels @112 on 2 threads, 0.094 -> 0.088 ms at batch 1,
- * 0.61 -> 0.55 at batch 8); with AVX2's 16 some are read from L1 as FMA
- * operands, which cost less than the second pass over the input: Zen 3,
- * 2 threads, 576 @14 batch 8 (not streamed), alternating processes, best
- * ms 0.27-0.45 -> 0.24-0.40, median 0.44-0.53 -> 0.35-0.44.  One with
- * 16-byte vectors (the baseline build), never measured otherwise. */
+ * 0.61 -> 0.55 at batch 8); with AVX2's 16 GCC keeps some on the stack
+ * and reloads them (from L1) at each use, which measured no slower than
+ * one vector a pass: Zen 3, 2 threads, 576 @14 batch 8 (not streamed),
+ * alternating processes, best ms 0.27-0.45 -> 0.24-0.40, median 0.44-0.53
+ * -> 0.35-0.44.  One with 16-byte vectors (the baseline build), never
+ * measured otherwise. */
 #if FC_VBYTES >= 32
 #define FC_DW3_VECS 2
 #else
@@ -215,8 +216,8 @@
  * sequence at batch 8 the change was lost in the noise of the 1x1s.) */
 #define FC_DW3_CAN_STREAM (FC_DW3_VECS * FC_VBYTES >= 64)
 
-/* act: 0 none, 1 relu, 2 relu6.  stream: y is vector-aligned, C a
- * multiple of the vector length, and the output large (see
+/* act: 0 none, 1 relu, 2 relu6.  stream: y is line-aligned, C fills
+ * whole lines, and the output large (see
  * depthwise_forward_nogil); the caller fences.  head: 0, or (then
  * nothing is streamed) the channels before the first whose input vectors are
  * vector-aligned, head + VL <= C: then one vector of channels from 0,
