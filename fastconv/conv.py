@@ -376,8 +376,10 @@ def _short_m_pays(groups, Cg, OCg, pixels, prepacked, dtype):
     2 threads, 7x7 batch 1, best ms implicit -> gemm1x1: 2048->512 0.553 ->
     0.491, 512->2048 0.534 -> 0.498, 1024->2048 1.08 -> 0.95, 512->512
     0.151 -> 0.140; ties at 1024->256 and 256->1024, a loss at 2048->64
-    (0.092 -> 0.101).  Prepacked weights cost implicit GEMM no packing:
-    2048->512 0.474 ms, ahead."""
+    (0.092 -> 0.101).  Zen 3 (AVX2, float32: blocks of 16 rows): 2048->512
+    0.75-0.79 -> 0.63-0.65, 512->2048 0.73 -> 0.60-0.62, 1024->2048 1.52 ->
+    1.16-1.21, 512->512 0.20 -> 0.175.  Prepacked weights cost implicit GEMM
+    no packing: 2048->512 0.474 ms (Zen 4), ahead."""
     return (groups == 1 and not prepacked and OCg >= 512
             and _dispatch.kernels.short_m_gemm_applies(pixels, OCg, Cg, dtype))
 
@@ -386,8 +388,9 @@ def _narrow_output_pays(groups, x, w2d):
     """Whether gemm1x1 runs a 1x1 layer with fewer than 16 output channels
     (a segmentation head, an RGB output) by the kernels' narrow-output GEMM
     (narrow_output_gemm: 1x1 64->3 @224 b1 1.08 -> 0.51 ms on Zen 4, torch
-    CL 0.51): one group, pixels and weight rows contiguous, a build that has
-    the short-M kernels (AVX-512)."""
+    CL 0.51; 0.80 -> 0.50 on Zen 3): one group, pixels and weight rows
+    contiguous, at most a vector of output channels, a build that has the
+    short-M kernels (AVX-512; AVX2 for float32)."""
     OC, K = w2d.shape
     return (groups == 1 and OC < 16 and x.flags.c_contiguous and w2d.flags.c_contiguous
             and _dispatch.kernels.narrow_output_gemm_applies(

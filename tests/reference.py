@@ -30,3 +30,16 @@ def at_line_offset(a, offset):
     out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
+
+
+#: The builds whose GEMM has short-M kernels (fastconv/_kernels/
+#: short_m_kernel.h), per dtype: what the tests expect them to take.
+SHORT_M_BUILDS = {"float32": ("avx512", "avx2"), "float64": ("avx512",)}
+#: Vector bytes of each build (a narrow-output GEMM takes one vector of
+#: output channels).
+VECTOR_BYTES = {"avx512": 64, "avx2": 32, "baseline": 16}
+
+
+def has_short_m(isa, dtype):
+    """Whether build isa runs short products of dtype by short-M kernels."""
+    return isa in SHORT_M_BUILDS[np.dtype(dtype).name]

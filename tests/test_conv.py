@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fastconv
 import fastconv.conv
 from fastconv import conv2d, conv2d_backward, conv_transpose2d, conv_transpose2d_backward
-from reference import at_line_offset, explicit_pads
+from reference import VECTOR_BYTES, at_line_offset, explicit_pads, has_short_m
 
 LAYOUTS = ("NHWC", "NCHW")
 DTYPES = (np.float64, np.float32)
@@ -1814,13 +1814,13 @@ def test_packed_direct_rearranges_its_weights_once(isa, w_shape, groups, dtype, 
 ])
 def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
     """"short-m": gemm1x1, whose GEMM runs the short-M kernels, on the
-    builds that have them (AVX-512; float32, and float64 while A^T packed
+    builds that have them (AVX-512, and AVX2 for float32; float64 while A^T packed
     fits, not at 2048 input channels); implicit GEMM on the others."""
     geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, H))
     for dtype in ("float32", "float64"):
         want = expected
         if expected == "short-m":
-            short = (fastconv._dispatch.kernels.ISA == "avx512"
+            short = (has_short_m(fastconv._dispatch.kernels.ISA, dtype)
                      and (dtype == "float32" or C < 2048))
             want = "gemm1x1" if short else "implicit"
         got = fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, H), prepacked, dtype)
@@ -1836,17 +1836,17 @@ def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
 ])
 def test_pointwise_short_image_matches_torch(N, H, W, C, OC, dtype, request):
     """1x1 layers on at most 49 pixels with 512+ channels in and out: auto
-    runs gemm1x1, whose GEMM takes the short-M kernels on AVX-512 (the
-    weights read in place; implicit GEMM on the other builds); with bias,
-    a residual and relu6, NHWC and NCHW, 1 and 2 threads, against torch in
-    float64."""
+    runs gemm1x1, whose GEMM takes the short-M kernels on AVX-512 and, for
+    float32, AVX2 (the weights read in place; implicit GEMM on the other
+    builds); with bias, a residual and relu6, NHWC and NCHW, 1 and 2
+    threads, against torch in float64."""
     rng = np.random.default_rng([N, H, W, C, OC, np.dtype(dtype).itemsize])
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 1, 1, C)).astype(dtype)
     b = rng.standard_normal(OC).astype(dtype)
     res = rng.standard_normal((N, H, W, OC)).astype(dtype)
     geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (H, W))
-    short = fastconv._dispatch.kernels.ISA == "avx512"
+    short = has_short_m(fastconv._dispatch.kernels.ISA, dtype)
     assert fastconv.conv._choose_algorithm("auto", 1, C, OC, N, geo, (H, W), False,
                                            np.dtype(dtype).name) == (
         "gemm1x1" if short else "implicit")
@@ -1946,8 +1946,9 @@ def test_narrow_output_1x1_layers_match_torch(isa, OC, C, extras, dtype):
     with fastconv._dispatch.use_isa(isa):
         narrow = fastconv.conv._narrow_output_pays(1, x, w.reshape(OC, C))
         y = conv2d(x, w, b, activation=act, residual=r)
-    # at most one vector of output channels: 16 float32, 8 float64
-    assert narrow == (isa == "avx512" and 2 <= OC <= 64 // np.dtype(dtype).itemsize)
+    # at most one vector of output channels (AVX-512: 16 float32, 8 float64)
+    assert narrow == (has_short_m(isa, dtype)
+                      and 2 <= OC <= VECTOR_BYTES[isa] // np.dtype(dtype).itemsize)
     ref = to_torch(x, "NHWC").double()
     ref = F.conv2d(ref, torch.from_numpy(w.transpose(0, 3, 1, 2).astype(np.float64)),
                    None if b is None else torch.from_numpy(b.astype(np.float64)))

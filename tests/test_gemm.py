@@ -30,6 +30,7 @@ from threadpoolctl import threadpool_limits
 import fastconv
 from fastconv import _dispatch
 from fastconv.gemm import empty_aligned
+from reference import has_short_m
 
 AVAILABLE = _dispatch.AVAILABLE
 DTYPES = (np.float32, np.float64)
@@ -651,12 +652,15 @@ def test_paired_panels(isa, nt, streamed):
 @pytest.mark.parametrize("nt", [1, 2])
 def test_short_m_path(isa, dtype, nt):
     """A short A times a transposed row-major B (x @ W.T, a 1x1
-    convolution's product on a 7x7 image): the AVX-512 build runs it by the
-    short-M kernels, W's rows read in place and A^T packed, the last row of
-    A riding as dot products where the rows before it fill whole vectors
-    (M = 17, 33, 49 float32; 9, 17, 49 float64).  Every vector count (1-3
-    float32, 1-6 float64), with and without that extra row (1-3 and 1, 2,
-    6 of them); K with and without a tail past the
+    convolution's product on a 7x7 image): the AVX-512 build (and AVX2's
+    for float32, two vectors a kernel call, longer M in blocks of them)
+    runs it by the short-M kernels, W's rows read in place and A^T packed,
+    the last row of A riding as dot products where the rows before it fill
+    whole vectors (M = 17, 33, 49 float32 on AVX-512; 9, 17, 25, 33, 41, 49
+    on AVX2, the extra row in each block position; 9, 17, 49 float64).
+    Every vector count (1-3 AVX-512 float32 vectors, 1-6 AVX2 ones over 1-3
+    blocks, 1-6 float64), with and without that extra row; K with and
+    without a tail past the
     last vector (512, 521); N a multiple of the tile's rows and not
     (M..., 61, 515); A's rows in place 3 KiB apart; alpha/beta on C (C
     also column-major); bias and relu/relu6 fused; beta 0 over a C of
@@ -666,7 +670,8 @@ def test_short_m_path(isa, dtype, nt):
     fastconv.set_num_threads(nt)
     f = GEMM[dtype]
     vl = 64 // np.dtype(dtype).itemsize
-    rows = sorted({2, 3, vl - 1, vl, vl + 1, 12, 20, 2 * vl + 1, 28, 31, 40, 47, 48, 49})
+    rows = sorted({2, 3, vl - 1, vl, vl + 1, 9, 12, 20, 25, 2 * vl + 1, 28, 31, 40, 41, 47, 48,
+                   49})
     with _dispatch.use_isa(isa) as k:
         for M in rows:
             for K in (512, 521):
@@ -675,7 +680,7 @@ def test_short_m_path(isa, dtype, nt):
                 for N in sorted({M, 61, 515}):
                     w = randn(rng, (N, K), dtype)
                     applies = k.short_m_gemm_applies(M, N, K, np.dtype(dtype).name)
-                    assert applies == (isa == "avx512"), (M, N, K)
+                    assert applies == has_short_m(isa, dtype), (M, N, K)
                     c = randn(rng, (M, N), dtype)
                     for c_order in ("C", "F"):
                         cc = np.array(c, order=c_order)
@@ -703,24 +708,27 @@ def test_short_m_path(isa, dtype, nt):
                         assert np.all(np.abs(out - ref) <= bound), (M, N, K, act)
 
 
-def test_short_m_reach():
-    """Where the AVX-512 build takes the short-M kernels: 2..49 rows, N no
-    shorter than M, K >= 512, and A^T as packed (3 float32 vectors for 49
-    rows, the 49th riding as the extra row; 6 float64 ones) within 512 KiB:
-    K up to 2730 float32 and 1365 float64 at 49 rows."""
-    with _dispatch.use_isa("avx512" if "avx512" in AVAILABLE else AVAILABLE[0]) as k:
-        if k.ISA != "avx512":
-            for M, N, K in ((49, 512, 2048), (17, 1024, 1024)):
-                assert not k.short_m_gemm_applies(M, N, K, "float32")
-            return
+@pytest.mark.parametrize("isa", AVAILABLE)
+def test_short_m_reach(isa):
+    """Where the builds take the short-M kernels: 2..49 rows, N no shorter
+    than M, K >= 512, and A^T as packed within 512 KiB: 49 rows are 3
+    AVX-512 float32 vectors (or 6 AVX2 ones), the 49th riding as the extra
+    row, and 6 AVX-512 float64 ones, so K up to 2730 float32 and 1365
+    float64.  AVX2 float64 and the baseline build: never."""
+    with _dispatch.use_isa(isa) as k:
         applies = k.short_m_gemm_applies
-        assert applies(49, 512, 2730, "float32") and not applies(49, 512, 2731, "float32")
-        assert applies(48, 512, 2730, "float32")           # 3 vectors, no extra row
-        assert not applies(50, 512, 1024, "float32")       # past 3 vectors and one
-        assert applies(49, 512, 1365, "float64") and not applies(49, 512, 1366, "float64")
-        assert applies(2, 2, 512, "float32") and not applies(1, 2, 512, "float32")
-        assert not applies(49, 48, 1024, "float32")        # W shorter than A
-        assert not applies(49, 512, 511, "float32")        # too shallow
+        for dtype in ("float32", "float64"):
+            if not has_short_m(isa, dtype):
+                for M, N, K in ((49, 512, 2048), (17, 1024, 1024), (2, 2, 512)):
+                    assert not applies(M, N, K, dtype)
+                continue
+            most_k = 2730 if dtype == "float32" else 1365
+            assert applies(49, 512, most_k, dtype) and not applies(49, 512, most_k + 1, dtype)
+            assert applies(48, 512, most_k, dtype)             # whole vectors, no extra row
+            assert not applies(50, 512, 1024, dtype)           # past 48 rows and one
+            assert applies(2, 2, 512, dtype) and not applies(1, 2, 512, dtype)
+            assert not applies(49, 48, 1024, dtype)            # W shorter than A
+            assert not applies(49, 512, 511, dtype)            # too shallow
 
 
 def test_short_m_concurrent_python_threads(isa):
@@ -735,7 +743,7 @@ def test_short_m_concurrent_python_threads(isa):
         jobs.append((dtype, randn(rng, (M, K), dtype), randn(rng, (N, K), dtype)))
     with _dispatch.use_isa(isa) as k:
         assert all(k.short_m_gemm_applies(a.shape[0], w.shape[0], a.shape[1],
-                                          np.dtype(d).name) == (isa == "avx512")
+                                          np.dtype(d).name) == has_short_m(isa, d)
                    for d, a, w in jobs)
         expected = [GEMM[d](1.0, a, w, trans_b=True) for d, a, w in jobs]
         results = in_lockstep(len(jobs), 6, fastconv.get_num_threads(),

@@ -166,6 +166,7 @@ cdef enum:
     # 0.131, 2048 x 512 0.569 -> 0.485).
     SHORT_M_MAX_AT_BYTES = 512 * 1024
     SHORT_M_MIN_K = 512
+    SHORT_M_MAX_ROWS = 49
 
 ISA = ISA_NAME
 HAVE_OPENMP = bool(FASTCONV_HAVE_OPENMP)
@@ -789,12 +790,12 @@ cdef inline bint b_in_place_ok(Py_ssize_t N, Py_ssize_t rsb, real dtype_tag) noe
 
 
 cdef inline Py_ssize_t short_m_rows(real dtype_tag) noexcept nogil:
-    # The most rows of A the build's short-M kernels take: their vectors
-    # and the extra row (0: no such kernels in this build).
+    # The most rows of A the short-M path takes (0: no such kernels in this
+    # build): a 7x7 image at batch 1, in blocks of the kernels' vectors.
     if real is float:
-        return S_SHORT_NV * (VBYTES // 4) + 1 if S_SHORT_MR > 0 else 0
+        return SHORT_M_MAX_ROWS if S_SHORT_MR > 0 else 0
     else:
-        return D_SHORT_NV * (VBYTES // 8) + 1 if D_SHORT_MR > 0 else 0
+        return SHORT_M_MAX_ROWS if D_SHORT_MR > 0 else 0
 
 
 cdef inline int short_m_vectors(Py_ssize_t M, Py_ssize_t vl, int* extra) noexcept nogil:
@@ -826,6 +827,88 @@ def short_m_gemm_applies(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, dtype):
     return short_m_applies(M, N, K, 1, 1, <double>0)
 
 
+cdef inline Py_ssize_t short_m_block_rows(real dtype_tag) noexcept nogil:
+    # Rows of A a short-M kernel call takes: the build's short NV vectors.
+    if real is float:
+        return S_SHORT_NV * (VBYTES // 4)
+    else:
+        return D_SHORT_NV * (VBYTES // 8)
+
+
+cdef inline Py_ssize_t short_m_packed_size(Py_ssize_t M, Py_ssize_t K,
+                                           real dtype_tag) noexcept nogil:
+    # Values of A^T as short_m_pack packs it: K rows of M's vectors.
+    cdef int extra
+    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    return K * short_m_vectors(M, vl, &extra) * vl
+
+
+cdef void short_m_pack(Py_ssize_t M, Py_ssize_t K, const real* a, Py_ssize_t rsa, real* at,
+                       Py_ssize_t kb0, Py_ssize_t kb1) noexcept nogil:
+    # A (M x K, rows rsa apart) -> at for the short-M kernels, lines kb0 to
+    # kb1 of k (a line: 64 bytes of each row): blocks of
+    # short_m_block_rows rows, each K rows of its own vectors (the last
+    # block's padded with zeros), block b at at + K * b * block_rows; the
+    # extra row (short_m_vectors) is left out, read in place.
+    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    cdef Py_ssize_t tb = 64 // sizeof(real)
+    cdef Py_ssize_t block_rows = short_m_block_rows(<real>0)
+    cdef int extra
+    cdef int nv = short_m_vectors(M, vl, &extra)
+    cdef Py_ssize_t rows = M - extra
+    cdef Py_ssize_t kb, k0, k1, b, m0, rb, ldb, ib, i0, k, m
+    cdef real* atb
+    for kb in range(kb0, kb1):
+        k0 = kb * tb
+        k1 = min(K, k0 + tb)
+        for b in range(cdiv(nv * vl, block_rows)):
+            m0 = b * block_rows
+            rb = min(rows - m0, block_rows)
+            ldb = min(nv * vl - m0, block_rows)
+            atb = at + K * m0
+            for ib in range(cdiv(rb, tb)):
+                i0 = ib * tb
+                if real is float:
+                    fc_transpose_block_f32(i0, min(rb, i0 + tb), k0, k1, a + m0 * rsa, rsa,
+                                           atb, ldb)
+                else:
+                    fc_transpose_block_f64(i0, min(rb, i0 + tb), k0, k1, a + m0 * rsa, rsa,
+                                           atb, ldb)
+            for k in range(k0, k1):
+                for m in range(rb, ldb):
+                    atb[k * ldb + m] = 0
+
+
+cdef void short_m_multiply(Py_ssize_t M, Py_ssize_t K, const real* at, const real* a_last,
+                           const real* w, Py_ssize_t ldw, Py_ssize_t R, real alpha, real beta,
+                           real* c, Py_ssize_t rsc, Py_ssize_t csc, const real* bias,
+                           int act) noexcept nogil:
+    # C (M x R) = alpha * A @ W^T + beta * C (+ bias, act) for R (at most
+    # the build's short MR) rows of W, ldw apart: a kernel call per block
+    # of at (short_m_pack's), the last block's with A's row M - 1 (a_last,
+    # contiguous) as the extra row where short_m_vectors says so.
+    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    cdef Py_ssize_t block_rows = short_m_block_rows(<real>0)
+    cdef int extra
+    cdef int nv = short_m_vectors(M, vl, &extra)
+    cdef Py_ssize_t rows = M - extra
+    cdef Py_ssize_t n_mb = cdiv(nv * vl, block_rows), b, m0
+    cdef bint last
+    for b in range(n_mb):
+        m0 = b * block_rows
+        last = b == n_mb - 1
+        if real is float:
+            fc_short_m_kernel_f32(cdiv(min(nv * vl - m0, block_rows), vl), extra if last else 0,
+                                  K, w, ldw, R, at + K * m0, a_last,
+                                  min(rows - m0, block_rows) + (extra if last else 0),
+                                  c + m0 * rsc, rsc, csc, alpha, beta, bias, act)
+        else:
+            fc_short_m_kernel_f64(cdiv(min(nv * vl - m0, block_rows), vl), extra if last else 0,
+                                  K, w, ldw, R, at + K * m0, a_last,
+                                  min(rows - m0, block_rows) + (extra if last else 0),
+                                  c + m0 * rsc, rsc, csc, alpha, beta, bias, act)
+
+
 cdef int gemm_short_m(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
                       const real* a, Py_ssize_t rsa, const real* w, Py_ssize_t ldw,
                       real beta, real* c, Py_ssize_t rsc, Py_ssize_t csc,
@@ -833,42 +916,25 @@ cdef int gemm_short_m(Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, real alpha,
     # C = alpha * A @ W^T + beta * C (+ bias, act) by the short-M kernels
     # (short_m_kernel.h): A^T packed (its row M - 1 rides as the extra row
     # when the rows before it fill whole vectors), then tiles of the
-    # build's short MR rows of W dealt out to the threads.
-    cdef Py_ssize_t vl = VBYTES // sizeof(real)
+    # build's short MR rows of W dealt out to the threads.  A kernel call
+    # takes the build's short NV vectors of rows: more run as blocks of
+    # them (short_m_pack, short_m_multiply), a tile's W rows read from
+    # memory for the first block and from L2 for the others.
     cdef Py_ssize_t tb = 64 // sizeof(real)
     cdef Py_ssize_t smr = S_SHORT_MR if real is float else D_SHORT_MR
-    cdef int extra
-    cdef int nv = short_m_vectors(M, vl, &extra)
-    cdef Py_ssize_t rows = M - extra
-    cdef Py_ssize_t ld = nv * vl
     cdef int nt = threads_for(2.0 * M * N * K, max_threads)
-    cdef Py_ssize_t kb, k0, k1, ib, i0, k, m, t, n0
-    cdef real* at = <real*>aligned_malloc(K * ld * sizeof(real))
+    cdef Py_ssize_t kb, t, n0
+    cdef real* at = <real*>aligned_malloc(short_m_packed_size(M, K, <real>0) * sizeof(real))
     if at == NULL:
         return -1
     # A line of k a task: whole lines of A's rows in, whole lines of at out.
     for kb in prange(cdiv(K, tb), num_threads=nt, schedule="static"):
-        k0 = kb * tb
-        k1 = min(K, k0 + tb)
-        for ib in range(cdiv(rows, tb)):
-            i0 = ib * tb
-            if real is float:
-                fc_transpose_block_f32(i0, min(rows, i0 + tb), k0, k1, a, rsa, at, ld)
-            else:
-                fc_transpose_block_f64(i0, min(rows, i0 + tb), k0, k1, a, rsa, at, ld)
-        for k in range(k0, k1):
-            for m in range(rows, ld):
-                at[k * ld + m] = 0
+        short_m_pack(M, K, a, rsa, at, kb, kb + 1)
     for t in prange(cdiv(N, smr), num_threads=nt, schedule="static"):
         n0 = t * smr
-        if real is float:
-            fc_short_m_kernel_f32(nv, extra, K, w + n0 * ldw, ldw, min(smr, N - n0), at,
-                                  a + (M - 1) * rsa, M, c + n0 * csc, rsc, csc, alpha, beta,
-                                  NULL if bias == NULL else bias + n0, act)
-        else:
-            fc_short_m_kernel_f64(nv, extra, K, w + n0 * ldw, ldw, min(smr, N - n0), at,
-                                  a + (M - 1) * rsa, M, c + n0 * csc, rsc, csc, alpha, beta,
-                                  NULL if bias == NULL else bias + n0, act)
+        short_m_multiply(M, K, at, a + (M - 1) * rsa, w + n0 * ldw, ldw, min(smr, N - n0),
+                         alpha, beta, c + n0 * csc, rsc, csc,
+                         NULL if bias == NULL else bias + n0, act)
     aligned_free(at)
     return 0
 

@@ -1,7 +1,6 @@
-/* Short-M products: C (M x N) = A (M x K) @ W^T, with M at most
- * FC_{S,D}_SHORT_NV vectors and one row (49 = 3 * 16 + 1 float32 rows: a
- * 7x7 image at batch 1) and W (N x K) row-major: a 1x1 convolution's
- * weights, or x @ W.T.
+/* Short-M products: C (M x N) = A (M x K) @ W^T, with M at most 49 rows
+ * (a 7x7 image at batch 1: 3 AVX-512 float32 vectors and one row) and W
+ * (N x K) row-major: a 1x1 convolution's weights, or x @ W.T.
  *
  * The GEMM frame would pack W^T into NR-column panels, a transpose of the
  * large operand on every call (fc_pack_bt_f32 was 14 % of the samples of
@@ -20,10 +19,15 @@
  * packing A 4 %), (49 x 512) @ (512 x 2048) 0.575 -> 0.486; as a 1x1
  * convolution, 2048->512 @7 b1 by implicit GEMM 0.553 -> 0.491.
  *
+ * A kernel call takes at most NV vectors of A's rows; longer M (16
+ * registers: AVX2's 6 rows of W by 2 vectors) runs as blocks of NV
+ * vectors, each tile's W rows read from memory for the first block and
+ * from L2 for the others (gemm_short_m).
+ *
  * The including module defines FC_VBYTES and, where the path is used,
- * FC_S_SHORT_MR / FC_S_SHORT_NV (float32 rows of W a tile, vectors of A)
- * and FC_D_SHORT_MR / FC_D_SHORT_NV (float64); 0 (the default) leaves the
- * path out of that build.
+ * FC_S_SHORT_MR / FC_S_SHORT_NV (float32 rows of W a tile, vectors of A a
+ * call) and FC_D_SHORT_MR / FC_D_SHORT_NV (float64); 0 (the default)
+ * leaves the path out of that build.
  */
 #ifndef FASTCONV_SHORT_M_KERNEL_H
 #define FASTCONV_SHORT_M_KERNEL_H
@@ -134,7 +138,7 @@
     }
 
 /* Both variants (with and without the extra row) of NV vectors, and
- * their dispatch cases; X-macros over NV = 1..3 and 1..6. */
+ * their dispatch cases; X-macros over NV = 1..2, 1..3 and 1..6. */
 #define FC_DEFINE_SHORT_M_KERNELS(SUFFIX, T, MR, NV)                            \
     FC_DEFINE_SHORT_M_KERNEL(SUFFIX, T, MR, NV, 0)                              \
     FC_DEFINE_SHORT_M_KERNEL(SUFFIX, T, MR, NV, 1)
@@ -147,8 +151,10 @@
         fc_short_m_kernel_##SUFFIX##_##NV##_1(K, w, ldw, R, at, xe, M, c, rsc,  \
                                               csc, alpha, beta, bias, act);     \
         break;
+#define FC_SHORT_M_UP_TO_2(X, SUFFIX, T, MR)                                    \
+    X(SUFFIX, T, MR, 1) X(SUFFIX, T, MR, 2)
 #define FC_SHORT_M_UP_TO_3(X, SUFFIX, T, MR)                                    \
-    X(SUFFIX, T, MR, 1) X(SUFFIX, T, MR, 2) X(SUFFIX, T, MR, 3)
+    FC_SHORT_M_UP_TO_2(X, SUFFIX, T, MR) X(SUFFIX, T, MR, 3)
 #define FC_SHORT_M_UP_TO_6(X, SUFFIX, T, MR)                                    \
     FC_SHORT_M_UP_TO_3(X, SUFFIX, T, MR)                                        \
     X(SUFFIX, T, MR, 4) X(SUFFIX, T, MR, 5) X(SUFFIX, T, MR, 6)
@@ -166,14 +172,16 @@
 
 /* Vectors of A 1..NV, each with and without the extra row: a short M
  * pays for the vectors it fills. */
-#if FC_S_SHORT_MR > 0 && FC_S_SHORT_NV != 3
-#error "float32 short-M kernels exist for 3 vectors"
+#if FC_S_SHORT_MR > 0 && FC_S_SHORT_NV != 2 && FC_S_SHORT_NV != 3
+#error "float32 short-M kernels exist for 2 or 3 vectors"
 #endif
 #if FC_D_SHORT_MR > 0 && FC_D_SHORT_NV != 6
 #error "float64 short-M kernels exist for 6 vectors"
 #endif
 #define FC_SHORT_M_NONE(X, SUFFIX, T, MR)
-#if FC_S_SHORT_MR > 0
+#if FC_S_SHORT_MR > 0 && FC_S_SHORT_NV == 2
+#define FC_S_SHORT_M_EACH FC_SHORT_M_UP_TO_2
+#elif FC_S_SHORT_MR > 0
 #define FC_S_SHORT_M_EACH FC_SHORT_M_UP_TO_3
 #else
 #define FC_S_SHORT_M_EACH FC_SHORT_M_NONE
