@@ -285,9 +285,17 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
 
     Filters transformed per call never leave the cache there (the kernels'
     fused and few-tile paths), and F(4x4) won: 512->512 @7 b1 252/233 vs
-    215/203 GFLOPS best/median."""
+    215/203 GFLOPS best/median.  Except where the kernels' short-M path
+    takes F(2x2)'s tiles (AVX2, at least 512 input channels, 8 to 49
+    tiles: winograd_frame.pxi, wino_short_max_tiles): there F(2x2), whose
+    16 tiles fill the short-M kernels' vectors where F(4x4)'s 4 left them
+    half empty (Zen 3, 512->512 @7 b1, best ms: F(4x4) fused 1.39-1.50,
+    F(2x2) short-M 1.09-1.26)."""
     if _is_thin_winograd(geo, Cg):
         return "thin"
+    if not prepacked and _dispatch.kernels.winograd_short_applies(_winograd_tiles(N, geo, 2),
+                                                                  Cg, dtype):
+        return 2
     if not prepacked or _winograd_tiles(N, geo) > 4:
         return 4
     if (Cg * OCg >= 128 * 128 and _winograd_tiles(N, geo, 2) >= 12

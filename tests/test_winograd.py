@@ -341,18 +341,87 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     rtol = 1e-5 if dtype == np.float32 else 1e-12
     with fastconv._dispatch.use_isa(isa) as kernels:
         results = {}
+        previous_short = kernels.set_winograd_short_tiles(0)     # its own test
         for name, fused in (("fused", ALWAYS_FUSED), ("packed", NEVER_FUSED)):
             previous = kernels.set_winograd_fused(*fused)
             try:
                 results[name] = forward_and_data_grad()
             finally:
                 kernels.set_winograd_fused(*previous)
+        kernels.set_winograd_short_tiles(previous_short)
     # The forward's input channels are C, the input gradient's OC.
     for got, expected, depth in zip(results["fused"], results["packed"], (C, OC)):
         scale = np.abs(expected).max()
         np.testing.assert_allclose(got, expected, rtol=0, atol=rtol * scale)
         if depth == 700:
             assert not np.array_equal(got, expected), "the fused path did not run"
+
+
+def short_m_winograd_runs(isa, dtype, tiles, C):
+    """Where the kernels' short-M Winograd path takes per-call forward
+    filters: AVX2 float32 (16 registers; AVX-512 has its few-tile path), 8
+    (a vector) to 49 tiles, at least 512 input channels."""
+    return (isa == "avx2" and np.dtype(dtype) == np.float32 and 8 <= tiles <= 49
+            and C >= 512)
+
+
+def winograd_tiles(N, H, W, m, dilation=1):
+    """m x m output tiles of a 3x3 'same' layer as the kernels cut them:
+    each dilation phase as many as the longest."""
+    def cut(n):
+        return dilation * -(-(-(-n // dilation)) // m)
+    return N * cut(H) * cut(W)
+
+
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N, H, W, C, OC, dilation", [
+    (1, 7, 7, 512, 512, 1),    # ResNet stage 4 at batch 1: 16 tiles of 2x2, 4 of 4x4
+    (1, 5, 9, 515, 13, 1),     # 15 / 6 tiles; C past a vector, OC a partial short tile
+    (1, 14, 14, 512, 20, 1),   # 49 tiles of 2x2: the 49th rides as the extra row
+    (2, 7, 7, 520, 30, 1),     # 32 / 8 tiles over two images
+    (1, 9, 8, 512, 8, 2),      # per dilation phase: 24 / 8 tiles
+])
+def test_short_m_winograd_matches_reference(request, isa, dtype, N, H, W, C, OC, dilation,
+                                            tile):
+    """Per-call filters by the short-M kernels (winograd_short_nogil: each
+    task transforms short MR output channels' filters along C, straight
+    from the OHWI weight, and multiplies every point's packed V^T by them):
+    error against float64 torch within 10x the direct method's, with bias,
+    relu6 and a residual; the same on 1 and 2 threads (each sum is one
+    kernel call over all of C); close to the fused path's result (the short
+    path off).  Asserts where the path runs, so a build that stops taking it
+    fails here."""
+    rng = np.random.default_rng(C * OC + H * W)
+    x = rng.standard_normal((N, H, W, C)).astype(dtype)
+    w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
+    b = rng.standard_normal(OC).astype(dtype)
+    r = rng.standard_normal((N, H, W, OC)).astype(dtype)
+    tiles = winograd_tiles(N, H, W, tile, dilation)
+    previous_threads = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous_threads))
+    with fastconv._dispatch.use_isa(isa) as kernels:
+        assert kernels.winograd_short_applies(tiles, C, np.dtype(dtype).name) == (
+            short_m_winograd_runs(isa, dtype, tiles, C)), tiles
+        check_against_direct(x, w, b, padding=dilation, activation="relu6",
+                             dilation=(dilation, dilation))
+        results = {}
+        for short, nt in ((49, 2), (49, 1), (0, 2)):
+            previous = kernels.set_winograd_short_tiles(short)
+            fastconv.set_num_threads(nt)
+            try:
+                results[short, nt] = conv2d(x, w, b, padding=dilation, dilation=dilation,
+                                            activation="relu6", residual=r,
+                                            algorithm="winograd")
+            finally:
+                kernels.set_winograd_short_tiles(previous)
+    ref = reference(x, w, b, ((dilation,) * 2,) * 2, dilation=(dilation, dilation)) + r
+    scale = np.abs(ref).max()       # of the sums, before relu6 clips them
+    ref = np.clip(ref, 0, 6)
+    np.testing.assert_array_equal(results[49, 2], results[49, 1])
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(results[49, 2], ref, rtol=0, atol=rtol * scale)
+    np.testing.assert_allclose(results[49, 2], results[0, 2], rtol=0, atol=rtol * scale)
 
 
 @pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
@@ -643,13 +712,17 @@ def test_winograd_variant_by_tile_count(isa, dtype, C, OC, N, H, dilation, expec
     vectors: not 520 in float32) and pay (128x128 channels and more: not
     64x128; enough F(2x2) tiles), else F(2x2); filters transformed per call
     stay in the cache (the fused and few-tile paths), where F(4x4) is
-    faster."""
+    faster, except where F(2x2)'s tiles take the short-M path (AVX2 float32,
+    512 input channels: F(4x4)'s few tiles would leave its vectors half
+    empty)."""
     geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
                                   (H, H))
     vector = 64 // np.dtype(dtype).itemsize
+    per_call = 2 if short_m_winograd_runs(isa, dtype, winograd_tiles(N, H, H, 2, dilation),
+                                          C) else 4
     with fastconv._dispatch.use_isa(isa):
         got = fastconv.conv._winograd_variant(N, geo, C, OC, dtype, prepacked=True)
-        assert fastconv.conv._winograd_variant(N, geo, C, OC, dtype) == 4
+        assert fastconv.conv._winograd_variant(N, geo, C, OC, dtype) == per_call
     if expected == "few" and not (isa == "avx512" and OC % vector == 0 and C * OC >= 16384):
         expected = 2
     assert got == expected

@@ -22,6 +22,11 @@
 # panel of output channels' filters a k-block at a time into L2, multiplies
 # every tile by it and finishes those channels of the output.
 #
+# On AVX2, per-call filters of layers with at most 49 tiles and 512 input
+# channels or more take winograd_short_nogil instead: the GEMM's short-M
+# kernels with the weight's rows, transformed along C, as the broadcast
+# operand (no transpose of the weight).
+#
 # Prepacked filters for few tiles (pack_winograd_few_weights) are the
 # few-tile path's column halves, H g', in the order it reads them: 18
 # values per filter where U has 36, half of each transform done once.
@@ -162,6 +167,43 @@ def set_winograd_few_tiles(Py_ssize_t max_tiles):
     global wino_few_max_tiles
     previous = wino_few_max_tiles
     wino_few_max_tiles = max(0, max_tiles)
+    return previous
+
+
+# Per-call forward filters take winograd_short_nogil for at most
+# wino_short_max_tiles tiles (and at most SHORT_M_MAX_ROWS), at least a
+# vector of them, and at least SHORT_M_MIN_K input channels, where the
+# build has short-M kernels and 16 vector registers (AVX2; AVX-512 has its
+# few-tile path).  Zen 3, 2 threads, best ms, the fused path (F(4x4)) ->
+# this one: 512->512 @7 b1 1.39-1.50 -> 1.09-1.26 by F(2x2) (16 tiles; 1.72-1.89
+# by F(4x4), 4 tiles a half-empty vector), b8 5.7-5.8 -> 5.2-5.3 (F(4x4),
+# 32 tiles); but with 256 channels (256->256 @14 b1, F(4x4) 16 tiles:
+# 0.79-0.97 -> 1.14; F(2x2) 49 tiles 0.83-1.03 -> 1.09) or 128 (@28 b1
+# 0.72-0.75 -> 0.93-0.95) slower: each task streams every point's packed
+# V^T (590 KiB at 256 @14) from L3 for half as many products.
+cdef Py_ssize_t wino_short_max_tiles = SHORT_M_MAX_ROWS if VBYTES == 32 else 0
+
+
+cdef inline bint wino_short_applies(Py_ssize_t tiles, Py_ssize_t C,
+                                    real dtype_tag) noexcept nogil:
+    return (VBYTES // <Py_ssize_t>sizeof(real) <= tiles <= wino_short_max_tiles
+            and tiles <= short_m_rows(<real>0) and C >= SHORT_M_MIN_K)
+
+
+def winograd_short_applies(Py_ssize_t tiles, Py_ssize_t C, dtype):
+    """Whether per-call filters of a forward conv with this many tiles and
+    input channels take the short-M path (winograd_short_nogil)."""
+    if dtype == "float32":
+        return wino_short_applies(tiles, C, <float>0)
+    return wino_short_applies(tiles, C, <double>0)
+
+
+def set_winograd_short_tiles(Py_ssize_t max_tiles):
+    """Set the most tiles for which per-call filters take the short-M path
+    (tests only: not thread-safe); returns the previous value."""
+    global wino_short_max_tiles
+    previous = wino_short_max_tiles
+    wino_short_max_tiles = max(0, max_tiles)
     return previous
 
 
@@ -687,6 +729,91 @@ cdef int winograd_few_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     return 0
 
 
+cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
+                              const real* w, Py_ssize_t rsw, Py_ssize_t OC,
+                              const real* bias, int act, real* y, Py_ssize_t rsy, int nt,
+                              bint accumulate, int tile, const WinoTiling* tl,
+                              Py_ssize_t tiles) noexcept nogil:
+    # winograd_forward_nogil for filters transformed in this call and at
+    # most SHORT_M_MAX_ROWS tiles, by the GEMM's short-M kernels with the
+    # roles of the fused path swapped: M[p]^T (OC x tiles) = U[p]^T (OC x
+    # C) @ V[p]^T.  The weight's rows (OHWI: each tap's C values
+    # contiguous) are transformed along C, vectors of input channels, so a
+    # filter row of U[p]^T comes out contiguous, which is how the short-M
+    # kernels read their broadcast operand: no transpose of the weight (the
+    # fused path's were 22 % of 512->512 @7 batch 1 on Zen 3, its filter
+    # transforms another 26 %). V of every tile first, then each point's
+    # V^T packed for the kernels; then each task, short MR output channels,
+    # transforms their filters into a buffer of its own (P x MR x C, in L2)
+    # and multiplies every point; then the output transform, a panel of
+    # output channels a task.
+    cdef Py_ssize_t smr = S_SHORT_MR if real is float else D_SHORT_MR
+    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+    cdef Py_ssize_t VL = VBYTES // sizeof(real)
+    cdef Py_ssize_t TB = 64 // sizeof(real)
+    cdef Py_ssize_t points = wino_points(tile), C = g.C
+    cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
+    cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
+    cdef Py_ssize_t sat = short_m_packed_size(tiles, C, <real>0)
+    cdef Py_ssize_t ldu = patch_ld(<real>0, C)
+    cdef Py_ssize_t su = smr * ldu, ub_size = points * su
+    cdef Py_ssize_t pf_bytes = cdiv(cdiv(9 * C * <Py_ssize_t>sizeof(real), points), 64) * 64
+    cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(points * sm * sizeof(real))
+    cdef real* at = <real*>aligned_malloc(points * sat * sizeof(real))
+    cdef real* ubs = <real*>aligned_malloc(nt * ub_size * sizeof(real))
+    if v == NULL or m == NULL or at == NULL or ubs == NULL:
+        aligned_free(v)
+        aligned_free(m)
+        aligned_free(at)
+        aligned_free(ubs)
+        return -1
+    cdef Py_ssize_t t, p, jp, oc0, width, r, c
+    cdef real* ub
+    cdef const real* wrow
+    for t in prange(tiles, num_threads=nt, schedule="static"):
+        wino_input_tile(g, x, xs, tl, t, v + t * ldv, sv)
+    for p in prange(points, num_threads=nt, schedule="static"):
+        short_m_pack(tiles, C, v + p * sv, ldv, at + p * sat, 0, cdiv(C, TB))
+    for jp in prange(cdiv(OC, smr), num_threads=nt, schedule="static"):
+        oc0 = jp * smr
+        width = min(smr, OC - oc0)
+        ub = ubs + threadid() * ub_size
+        for r in range(width):
+            wrow = w + (oc0 + r) * rsw
+            c = 0
+            while c < C:
+                if c + VL <= C:
+                    wino_filter(tile, True, False, wrow + c, C, ub + r * ldu + c, su)
+                    c = c + VL
+                else:
+                    wino_filter(tile, False, False, wrow + c, C, ub + r * ldu + c, su)
+                    c = c + 1
+        for p in range(points):
+            # The next task's weight rows into L2, a share before each
+            # point's products: the transform waited on them (its perf
+            # share of 512->512 @7 b1 24 -> 18 %).
+            if oc0 + smr < OC and p * pf_bytes < 9 * C * <Py_ssize_t>sizeof(real):
+                fc_prefetch_rows(<const char*>(w + (oc0 + smr) * rsw) + p * pf_bytes,
+                                 min(smr, OC - oc0 - smr), rsw * sizeof(real),
+                                 min(pf_bytes, 9 * C * <Py_ssize_t>sizeof(real) - p * pf_bytes))
+            short_m_multiply(tiles, C, at + p * sat, v + p * sv + (tiles - 1) * ldv,
+                             ub + p * su, ldu, width, 1, 0, m + p * sm + oc0, ldm, 1, NULL,
+                             ACT_NONE)
+    for jp in prange(cdiv(OC, NR), num_threads=nt, schedule="static"):
+        oc0 = jp * NR
+        width = min(NR, OC - oc0)
+        for t in range(tiles):
+            wino_output_tile(g, m + t * ldm + oc0, sm, width,
+                             NULL if bias == NULL else bias + oc0, act, accumulate, tl, t,
+                             y + oc0, rsy)
+    aligned_free(v)
+    aligned_free(m)
+    aligned_free(at)
+    aligned_free(ubs)
+    return 0
+
+
 cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
                                 const real* w, Py_ssize_t rsw, Py_ssize_t OC,
                                 const real* bias, int act, real* y, Py_ssize_t rsy,
@@ -712,6 +839,9 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
     if prepacked_few:
         return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, False,
                                   accumulate, &tl, tiles, prepacked)
+    if prepacked == NULL and not flipped and wino_short_applies(tiles, g.C, <real>0):
+        return winograd_short_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, accumulate,
+                                    tile, &tl, tiles)
     if (prepacked == NULL and tile == 4 and tiles <= min(wino_few_max_tiles, wino_fused_max_tiles)
             and wino_few_fits(OC, <real>0) and points * g.C * OC >= wino_fused_min_values):
         return winograd_few_nogil(g, x, xs, w, rsw, OC, bias, act, y, rsy, nt, flipped,
