@@ -290,13 +290,22 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     tiles: winograd_frame.pxi, wino_short_max_tiles): there F(2x2), whose
     16 tiles fill the short-M kernels' vectors where F(4x4)'s 4 left them
     half empty (Zen 3, 512->512 @7 b1, best ms: F(4x4) fused 1.39-1.50,
-    F(2x2) short-M 1.09-1.26)."""
+    F(2x2) short-M 1.09-1.26), unless F(4x4)'s tiles take that path too
+    and cost less, as points x (tiles + 7): a filter's transform costs
+    about 7 tiles' products a point.  Zen 3, 512->512, best ms F(4x4) /
+    F(2x2), both short-M: @7 b2 (8 / 32 tiles) 1.82-1.85 / 2.01-2.03, @14
+    b1 (16 / 49) 2.60-2.68 / 3.11-3.13, but @10 b1 (9 / 25) 2.11-2.14 /
+    1.84-1.87."""
     if _is_thin_winograd(geo, Cg):
         return "thin"
-    if not prepacked and _dispatch.kernels.winograd_short_applies(_winograd_tiles(N, geo, 2),
-                                                                  Cg, dtype):
-        return 2
-    if not prepacked or _winograd_tiles(N, geo) > 4:
+    if not prepacked:
+        tiles4, tiles2 = _winograd_tiles(N, geo), _winograd_tiles(N, geo, 2)
+        short = _dispatch.kernels.winograd_short_applies
+        if short(tiles2, Cg, dtype) and (not short(tiles4, Cg, dtype)
+                                         or 16 * (tiles2 + 7) < 36 * (tiles4 + 7)):
+            return 2
+        return 4
+    if _winograd_tiles(N, geo) > 4:
         return 4
     if (Cg * OCg >= 128 * 128 and _winograd_tiles(N, geo, 2) >= 12
             and _dispatch.kernels.winograd_few_applies(OCg, dtype)):

@@ -718,14 +718,38 @@ def test_winograd_variant_by_tile_count(isa, dtype, C, OC, N, H, dilation, expec
     geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
                                   (H, H))
     vector = 64 // np.dtype(dtype).itemsize
-    per_call = 2 if short_m_winograd_runs(isa, dtype, winograd_tiles(N, H, H, 2, dilation),
-                                          C) else 4
     with fastconv._dispatch.use_isa(isa):
         got = fastconv.conv._winograd_variant(N, geo, C, OC, dtype, prepacked=True)
-        assert fastconv.conv._winograd_variant(N, geo, C, OC, dtype) == per_call
+        per_call = fastconv.conv._winograd_variant(N, geo, C, OC, dtype)
+    if not short_m_winograd_runs(isa, dtype, winograd_tiles(N, H, H, 2, dilation), C):
+        assert per_call == 4        # else test_per_call_winograd_variant_by_short_m
     if expected == "few" and not (isa == "avx512" and OC % vector == 0 and C * OC >= 16384):
         expected = 2
     assert got == expected
+
+
+@pytest.mark.skipif("avx2" not in fastconv._dispatch.AVAILABLE, reason="needs the AVX2 build")
+@pytest.mark.parametrize("N, H, dilation, expected", [
+    (1, 7, 1, 2),      # 4 tiles of 4x4 (not short-M), 16 of 2x2
+    (1, 6, 1, 2),      # 4 / 9
+    (1, 7, 2, 2),      # per dilation phase: 4 / 16
+    (2, 7, 1, 4),      # 8 / 32, both short-M: 36 x 15 < 16 x 39
+    (1, 14, 1, 4),     # 16 / 49: 36 x 23 < 16 x 56
+    (1, 10, 1, 2),     # 9 / 25: 16 x 32 < 36 x 16
+    (1, 4, 1, 4),      # 1 / 4: neither
+    (8, 7, 1, 4),      # 32 / 128: F(2x2) past 49 tiles
+])
+def test_per_call_winograd_variant_by_short_m(N, H, dilation, expected):
+    """Per call on AVX2 (float32, 512 input channels), F(2x2) where its tiles
+    take the short-M path and F(4x4)'s do not, or cost more as points x
+    (tiles + 7); float64 (no AVX2 short-M kernels) and 256 input channels
+    stay on F(4x4)."""
+    geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
+                                  (H, H))
+    with fastconv._dispatch.use_isa("avx2"):
+        assert fastconv.conv._winograd_variant(N, geo, 512, 512, "float32") == expected
+        assert fastconv.conv._winograd_variant(N, geo, 512, 512, "float64") == 4
+        assert fastconv.conv._winograd_variant(N, geo, 256, 512, "float32") == 4
 
 
 @pytest.mark.parametrize("kernel, kwargs, message", [
