@@ -180,7 +180,10 @@ def set_winograd_few_tiles(Py_ssize_t max_tiles):
 # 32 tiles); but with 256 channels (256->256 @14 b1, F(4x4) 16 tiles:
 # 0.79-0.97 -> 1.14; F(2x2) 49 tiles 0.83-1.03 -> 1.09) or 128 (@28 b1
 # 0.72-0.75 -> 0.93-0.95) slower: each task streams every point's packed
-# V^T (590 KiB at 256 @14) from L3 for half as many products.
+# V^T (590 KiB at 256 @14) from L3 for half as many products.  (Measured
+# before the point stride's extra line, which halved the filter
+# transform's share at 256 @14; after it that layer tied, 0.94-1.04 vs
+# 1.00-1.05 ms.)
 cdef Py_ssize_t wino_short_max_tiles = SHORT_M_MAX_ROWS if VBYTES == 32 else 0
 
 
@@ -756,7 +759,10 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
     cdef Py_ssize_t sat = short_m_packed_size(tiles, C, <real>0)
     cdef Py_ssize_t ldu = patch_ld(<real>0, C)
-    cdef Py_ssize_t su = smr * ldu, ub_size = points * su
+    # Points a line more than the block apart: at 512 channels a block is
+    # 12 KiB, and the 16 points' stores of one filter vector fell in one L1
+    # set (as in winograd_fused_nogil).
+    cdef Py_ssize_t su = smr * ldu + 64 // <Py_ssize_t>sizeof(real), ub_size = points * su
     cdef Py_ssize_t pf_bytes = cdiv(cdiv(9 * C * <Py_ssize_t>sizeof(real), points), 64) * 64
     cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
     cdef real* m = <real*>aligned_malloc(points * sm * sizeof(real))
