@@ -759,9 +759,10 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
     cdef Py_ssize_t sat = short_m_packed_size(tiles, C, <real>0)
     cdef Py_ssize_t ldu = patch_ld(<real>0, C)
-    # Points a line more than the block apart: at 512 channels a block is
-    # 12 KiB, and the 16 points' stores of one filter vector fell in one L1
-    # set (as in winograd_fused_nogil).
+    # Points a line more than the block apart: at 256 channels a block is
+    # 6 KiB, and F(4x4)'s 36 point stores of one filter vector fell in two
+    # L1 sets (the transform's perf share at 256->256 @14 b1 29 -> 14 %; as
+    # in winograd_fused_nogil).
     cdef Py_ssize_t su = smr * ldu + 64 // <Py_ssize_t>sizeof(real), ub_size = points * su
     cdef Py_ssize_t pf_bytes = cdiv(cdiv(9 * C * <Py_ssize_t>sizeof(real), points), 64) * 64
     cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
