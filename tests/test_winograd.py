@@ -389,8 +389,8 @@ def test_short_m_winograd_matches_reference(request, isa, dtype, N, H, W, C, OC,
     from the OHWI weight, and multiplies every point's packed V^T by them):
     error against float64 torch within 10x the direct method's, with bias,
     relu6 and a residual; the same on 1 and 2 threads (each sum is one
-    kernel call over all of C); close to the fused path's result (the short
-    path off).  Asserts where the path runs, so a build that stops taking it
+    kernel call over all of C), through a reversed-rows view of x and as
+    NCHW / OIHW; close to the fused path's result (the short path off).  Asserts where the path runs, so a build that stops taking it
     fails here."""
     rng = np.random.default_rng(C * OC + H * W)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
@@ -415,6 +415,16 @@ def test_short_m_winograd_matches_reference(request, isa, dtype, N, H, W, C, OC,
                                             algorithm="winograd")
             finally:
                 kernels.set_winograd_short_tiles(previous)
+        # The same values through a reversed-rows view, and as NCHW / OIHW.
+        reversed_rows = np.ascontiguousarray(x[:, ::-1])[:, ::-1]
+        viewed = conv2d(reversed_rows, w, b, padding=dilation, dilation=dilation,
+                        activation="relu6", residual=r, algorithm="winograd")
+        nchw = conv2d(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), w.transpose(0, 3, 1, 2), b,
+                      padding=dilation, dilation=dilation, activation="relu6",
+                      residual=np.ascontiguousarray(r.transpose(0, 3, 1, 2)), layout="NCHW",
+                      algorithm="winograd")
+    np.testing.assert_array_equal(viewed, results[49, 2])
+    np.testing.assert_array_equal(nchw.transpose(0, 2, 3, 1), results[49, 2])
     ref = reference(x, w, b, ((dilation,) * 2,) * 2, dilation=(dilation, dilation)) + r
     scale = np.abs(ref).max()       # of the sums, before relu6 clips them
     ref = np.clip(ref, 0, 6)
