@@ -342,13 +342,15 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
     with fastconv._dispatch.use_isa(isa) as kernels:
         results = {}
         previous_short = kernels.set_winograd_short_tiles(0)     # its own test
-        for name, fused in (("fused", ALWAYS_FUSED), ("packed", NEVER_FUSED)):
-            previous = kernels.set_winograd_fused(*fused)
-            try:
-                results[name] = forward_and_data_grad()
-            finally:
-                kernels.set_winograd_fused(*previous)
-        kernels.set_winograd_short_tiles(previous_short)
+        try:
+            for name, fused in (("fused", ALWAYS_FUSED), ("packed", NEVER_FUSED)):
+                previous = kernels.set_winograd_fused(*fused)
+                try:
+                    results[name] = forward_and_data_grad()
+                finally:
+                    kernels.set_winograd_fused(*previous)
+        finally:
+            kernels.set_winograd_short_tiles(previous_short)
     # The forward's input channels are C, the input gradient's OC.
     for got, expected, depth in zip(results["fused"], results["packed"], (C, OC)):
         scale = np.abs(expected).max()
@@ -390,8 +392,9 @@ def test_short_m_winograd_matches_reference(request, isa, dtype, N, H, W, C, OC,
     error against float64 torch within 10x the direct method's, with bias,
     relu6 and a residual; the same on 1 and 2 threads (each sum is one
     kernel call over all of C), through a reversed-rows view of x and as
-    NCHW / OIHW; close to the fused path's result (the short path off).  Asserts where the path runs, so a build that stops taking it
-    fails here."""
+    NCHW / OIHW; close to the fused path's result (the short path off).
+    Asserts where the path runs, so a build that stops taking it fails
+    here."""
     rng = np.random.default_rng(C * OC + H * W)
     x = rng.standard_normal((N, H, W, C)).astype(dtype)
     w = rng.standard_normal((OC, 3, 3, C)).astype(dtype)
