@@ -328,27 +328,26 @@ cdef void wino_transpose_filters(const real* w, Py_ssize_t rsw, Py_ssize_t C,
 
 cdef void wino_filter_block(const real* src, Py_ssize_t src_c, Py_ssize_t src_t,
                             Py_ssize_t width, Py_ssize_t kcb, int tile, bint stream,
-                            real* dst, Py_ssize_t su) noexcept nogil:
-    # U = G g G^T of width (at most NR) output channels x kcb input
-    # channels: tap t of filter (c, oc) at src + c*src_c + oc + t*src_t,
-    # point p of its U at dst + p*su + c*NR + oc (rows of a packed B
-    # panel).  The transform runs on vectors of output channels, VL of which
-    # (VL divides NR) land as VL contiguous values of one panel row: the
-    # source has them contiguous (wino_transpose_filters' tile, or the
-    # flipped weight of an input gradient).
-    cdef Py_ssize_t NR = S_NR if real is float else D_NR
+                            real* dst, Py_ssize_t ldd, Py_ssize_t su) noexcept nogil:
+    # U = G g G^T of kcb rows of width filters: tap t of filter (c, oc) at
+    # src + c*src_c + oc + t*src_t, point p of its U at dst + p*su + c*ldd +
+    # oc (ldd = NR: rows of a packed B panel).  The transform runs on
+    # vectors along oc, contiguous in the source (wino_transpose_filters'
+    # tile, the flipped weight of an input gradient, or the OHWI rows that
+    # winograd_short_nogil transforms along C); streamed, the vector steps'
+    # stores must be vector-aligned (VL divides ldd).
     cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t c, oc
     for c in range(kcb):
         oc = 0
         while oc < width:
             if oc + VL <= width:
-                wino_filter(tile, True, stream, src + c * src_c + oc, src_t, dst + c * NR + oc,
+                wino_filter(tile, True, stream, src + c * src_c + oc, src_t, dst + c * ldd + oc,
                             su)
                 oc = oc + VL
             else:
                 wino_filter(tile, False, False, src + c * src_c + oc, src_t,
-                            dst + c * NR + oc, su)
+                            dst + c * ldd + oc, su)
                 oc = oc + 1
 
 
@@ -404,12 +403,12 @@ cdef int wino_pack_filters(const real* w, Py_ssize_t rsw, Py_ssize_t OC, Py_ssiz
         if flipped:
             # g[oc, t, c] = w[c, 8 - t, oc]: taps read backwards.
             wino_filter_block(w + 8 * OC + kc0 * rsw + oc0, rsw, -OC, oc_end - oc0, kcb, tile,
-                              stream, dst_task, lay.point_size)
+                              stream, dst_task, NR, lay.point_size)
         else:
             wloc = tiles + threadid() * tile_size
             wino_transpose_filters(w, rsw, C, oc0, oc_end, kc0, kcb, wloc)
             wino_filter_block(wloc, NR, kcb * NR, oc_end - oc0, kcb, tile, stream, dst_task,
-                              lay.point_size)
+                              NR, lay.point_size)
         if stream:
             fc_store_fence()
     aligned_free(tiles)
@@ -586,10 +585,10 @@ cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
             kcb = blocks[kb].kc
             if flipped:
                 wino_filter_block(w + 8 * OC + kc0 * rsw + oc0, rsw, -OC, width, kcb, tile,
-                                  False, up, point_stride)
+                                  False, up, NR, point_stride)
             else:
                 wino_filter_block(wloc + kc0 * NR, NR, g.C * NR, width, kcb, tile, False, up,
-                                  point_stride)
+                                  NR, point_stride)
             for p in range(points):
                 macro_kernel(tiles, width, kcb, 0, 1, v + p * sv + kc0, ldv, 1,
                              up + p * point_stride, m + p * sm + oc0, ldm, 1, 1, 0, kb == 0,
@@ -752,7 +751,6 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # output channels a task.
     cdef Py_ssize_t smr = S_SHORT_MR if real is float else D_SHORT_MR
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
-    cdef Py_ssize_t VL = VBYTES // sizeof(real)
     cdef Py_ssize_t TB = 64 // sizeof(real)
     cdef Py_ssize_t points = wino_points(tile), C = g.C
     cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
@@ -775,9 +773,8 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         aligned_free(at)
         aligned_free(ubs)
         return -1
-    cdef Py_ssize_t t, p, jp, oc0, width, r, c
+    cdef Py_ssize_t t, p, jp, oc0, width
     cdef real* ub
-    cdef const real* wrow
     for t in prange(tiles, num_threads=nt, schedule="static"):
         wino_input_tile(g, x, xs, tl, t, v + t * ldv, sv)
     for p in prange(points, num_threads=nt, schedule="static"):
@@ -786,16 +783,9 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
         oc0 = jp * smr
         width = min(smr, OC - oc0)
         ub = ubs + threadid() * ub_size
-        for r in range(width):
-            wrow = w + (oc0 + r) * rsw
-            c = 0
-            while c < C:
-                if c + VL <= C:
-                    wino_filter(tile, True, False, wrow + c, C, ub + r * ldu + c, su)
-                    c = c + VL
-                else:
-                    wino_filter(tile, False, False, wrow + c, C, ub + r * ldu + c, su)
-                    c = c + 1
+        # The task's weight rows, transformed along C (tap t of row r at
+        # t*C): row r of each point's U^T at ub + p*su + r*ldu.
+        wino_filter_block(w + oc0 * rsw, rsw, C, C, width, tile, False, ub, ldu, su)
         for p in range(points):
             # The next task's weight rows into L2, a share before each
             # point's products: the transform waited on them (its perf
