@@ -233,6 +233,18 @@ cdef inline Py_ssize_t wino_points(int tile) noexcept nogil:
     return (tile + 2) * (tile + 2)
 
 
+cdef inline Py_ssize_t wino_point_stride(real dtype_tag, Py_ssize_t values) noexcept nogil:
+    # Values from one point's block of V or M to the next: a line more
+    # where the blocks would be an even number of lines apart.  A tile's
+    # transform stores (or reads) one vector of each of the 36 points in
+    # turn; blocks a multiple of 4 KiB apart put them all in one L1 set, 36
+    # lines for 8 ways (256->256 @14 b1, 16 tiles of 1 KiB rows: the input
+    # transform took 11.5 % of the call).
+    if (values * <Py_ssize_t>sizeof(real)) % 128 == 0:
+        return values + 64 // <Py_ssize_t>sizeof(real)
+    return values
+
+
 cdef inline bint wino_few_fits(Py_ssize_t OC, real dtype_tag) noexcept nogil:
     # winograd_few_nogil's shape: 32 vector registers (its 24 accumulators
     # and a row of six points) and whole vectors of output channels.
@@ -541,7 +553,8 @@ cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t n_kb = uniform_k_blocks(g.C, kc_blk, blocks)
     cdef Py_ssize_t kc_max = max_block_depth(blocks, n_kb)
     cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
-    cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
+    cdef Py_ssize_t sv = wino_point_stride(<real>0, tiles * ldv)
+    cdef Py_ssize_t sm = wino_point_stride(<real>0, tiles * ldm)
     # Points a line more than a panel apart: panels of whole pages (128 x
     # 32 floats) put the 36 points' stores of one filter vector in one L1
     # set (the filter transform took 36 % of 512->512 @7 batch 1, 1 thread;
@@ -754,7 +767,8 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t TB = 64 // sizeof(real)
     cdef Py_ssize_t points = wino_points(tile), C = g.C
     cdef Py_ssize_t ldv = patch_ld(<real>0, C), ldm = patch_ld(<real>0, OC)
-    cdef Py_ssize_t sv = tiles * ldv, sm = tiles * ldm
+    cdef Py_ssize_t sv = wino_point_stride(<real>0, tiles * ldv)
+    cdef Py_ssize_t sm = wino_point_stride(<real>0, tiles * ldm)
     cdef Py_ssize_t sat = short_m_packed_size(tiles, C, <real>0)
     cdef Py_ssize_t ldu = patch_ld(<real>0, C)
     # Points a line more than the block apart: at 256 channels a block is
@@ -879,8 +893,10 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
         chunk = cdiv(tiles, n_own)       # equal chunks, a multiple of the threads
     else:
         chunk = wino_chunk_tiles(<real>0, ldv, ldm, tiles, points)
-    cdef real* v = <real*>aligned_malloc(n_bufs * points * chunk * ldv * sizeof(real))
-    cdef real* m = <real*>aligned_malloc(n_bufs * points * chunk * ldm * sizeof(real))
+    cdef Py_ssize_t sv = wino_point_stride(<real>0, chunk * ldv)
+    cdef Py_ssize_t sm = wino_point_stride(<real>0, chunk * ldm)
+    cdef real* v = <real*>aligned_malloc(n_bufs * points * sv * sizeof(real))
+    cdef real* m = <real*>aligned_malloc(n_bufs * points * sm * sizeof(real))
     if v == NULL or m == NULL:
         aligned_free(v)
         aligned_free(m)
@@ -888,7 +904,6 @@ cdef int winograd_forward_nogil(const ConvGeom* g, const real* x, ImageStrides x
             aligned_free(upack)
         free(blocks)
         return -1
-    cdef Py_ssize_t sv = chunk * ldv, sm = chunk * ldm
     cdef Py_ssize_t ci, t0, tc, t, p
     cdef real* vt
     cdef real* mt
