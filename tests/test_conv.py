@@ -1114,6 +1114,9 @@ def test_threads_give_identical_results(x_shape, kwargs, request):
     (1, 4, 2, 16, 1, 3, 1, 1, 1),       # no interior pixel in a row
     (1, 8, 7, 24, 1, 3, 1, 3, 0),       # dilation 3, valid
     (1, 3, 3, 576, 1, 3, 1, 1, 1),      # MobileNetV2's widest
+    # the weight gradient's tasks: blocks of an image's rows by 64 channels
+    (2, 40, 5, 70, 1, 3, 1, 1, 1),      # row blocks of 32 and 8, channel blocks of 64 and 6
+    (1, 9, 130, 8, 1, 3, 1, 1, 1),      # rows of 130 pixels: a row a block
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_depthwise_kernels_match_torch(N, H, W, C, mult, k, s, d, p, dtype):

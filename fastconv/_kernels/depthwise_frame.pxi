@@ -28,16 +28,18 @@ cdef extern from "depthwise_kernel.h":
                                  Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi, const double* w,
                                  const double* bias, double* y, int act,
                                  int stream, Py_ssize_t head) noexcept nogil
-    void fc_depthwise3x3_grad_weight_row_f32(const float* const* rows, Py_ssize_t xsw,
-                                             Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
-                                             Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
-                                             Py_ssize_t lo, Py_ssize_t hi, const float* dy,
-                                             float* dw) noexcept nogil
-    void fc_depthwise3x3_grad_weight_row_f64(const double* const* rows, Py_ssize_t xsw,
-                                             Py_ssize_t W, Py_ssize_t C, Py_ssize_t OW,
-                                             Py_ssize_t SW, Py_ssize_t DW, Py_ssize_t PL,
-                                             Py_ssize_t lo, Py_ssize_t hi, const double* dy,
-                                             double* dw) noexcept nogil
+    void fc_depthwise3x3_grad_weight_rows_f32(const float* const* block_rows, Py_ssize_t nrows,
+                                              Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C,
+                                              Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
+                                              Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi,
+                                              const float* dy, Py_ssize_t dyw, Py_ssize_t dyr,
+                                              float* dw, Py_ssize_t dwt) noexcept nogil
+    void fc_depthwise3x3_grad_weight_rows_f64(const double* const* block_rows, Py_ssize_t nrows,
+                                              Py_ssize_t xsw, Py_ssize_t W, Py_ssize_t C,
+                                              Py_ssize_t OW, Py_ssize_t SW, Py_ssize_t DW,
+                                              Py_ssize_t PL, Py_ssize_t lo, Py_ssize_t hi,
+                                              const double* dy, Py_ssize_t dyw, Py_ssize_t dyr,
+                                              double* dw, Py_ssize_t dwt) noexcept nogil
     bint FC_DW3_CAN_STREAM
 
 cdef enum:
@@ -49,6 +51,15 @@ cdef enum:
     # b1 ran at 1/5 of the GEMM's single-core rate), so 2 MFLOP layers also
     # get both threads.
     DEPTHWISE_FLOP_COST = 4
+    # The 3x3 weight gradient's tasks: rows of an image adding up to about
+    # this many output pixels (at most DW_GRADW_MAX_ROWS rows), by this
+    # many channels.  A row a task before: Zen 3, in one process
+    # alternating, best ms, 576 @14 batch 8 0.37 -> 0.28 (2 threads), 0.59
+    # -> 0.53 (1 thread); 32 @112 batch 8, memory-bound, a tie (128 pixels
+    # measured alike).
+    DW_GRADW_PIXELS = 256
+    DW_GRADW_MAX_ROWS = 32
+    DW_GRADW_CHANNELS = 64
     # The 3x3 row kernel's output streams past this many times the GEMM's
     # stream threshold (see depthwise_forward_nogil).
     DEPTHWISE_STREAM_FACTOR = 8
@@ -157,16 +168,30 @@ cdef inline Row3x3 row3x3(const ConvGeom* g, const real* x, ImageStrides xs,
     return r
 
 
-cdef void depthwise3x3_grad_weight_row(const ConvGeom* g, const real* x, ImageStrides xs,
-                                       const real* dy, real* dw, Py_ssize_t row) noexcept nogil:
-    # dw (3, 3, C) += output row `row`'s contribution, multiplier 1.
-    cdef Row3x3 r = row3x3(g, x, xs, row)
+cdef void depthwise3x3_grad_weight_block(const ConvGeom* g, const real* x, ImageStrides xs,
+                                         const real* dy, real* dw, Py_ssize_t row0,
+                                         Py_ssize_t nrows, Py_ssize_t c0,
+                                         Py_ssize_t width) noexcept nogil:
+    # dw (3, 3, C) += the contribution of output rows row0 .. row0+nrows
+    # (one image's) to channels c0 .. c0+width, multiplier 1.
+    cdef const void* rows[3 * DW_GRADW_MAX_ROWS]
+    cdef Row3x3 r
+    cdef Py_ssize_t i, kh
+    for i in range(nrows):
+        r = row3x3(g, x, xs, row0 + i)
+        for kh in range(3):
+            rows[3 * i + kh] = NULL if r.rows[kh] == NULL else <const void*>(
+                <const real*>r.rows[kh] + c0)
     if real is float:
-        fc_depthwise3x3_grad_weight_row_f32(<const float**>r.rows, xs.w, g.W, g.C, g.OW, g.SW,
-                                            g.DW, g.PL, r.lo, r.hi, dy + row * g.OW * g.C, dw)
+        fc_depthwise3x3_grad_weight_rows_f32(<const float**>rows, nrows, xs.w, g.W, width,
+                                             g.OW, g.SW, g.DW, g.PL, r.lo, r.hi,
+                                             dy + row0 * g.OW * g.C + c0, g.C, g.OW * g.C,
+                                             dw + c0, g.C)
     else:
-        fc_depthwise3x3_grad_weight_row_f64(<const double**>r.rows, xs.w, g.W, g.C, g.OW, g.SW,
-                                            g.DW, g.PL, r.lo, r.hi, dy + row * g.OW * g.C, dw)
+        fc_depthwise3x3_grad_weight_rows_f64(<const double**>rows, nrows, xs.w, g.W, width,
+                                             g.OW, g.SW, g.DW, g.PL, r.lo, r.hi,
+                                             dy + row0 * g.OW * g.C + c0, g.C, g.OW * g.C,
+                                             dw + c0, g.C)
 
 
 cdef void depthwise3x3_forward_row(const ConvGeom* g, const real* x, ImageStrides xs,
@@ -336,10 +361,21 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
     if partials == NULL:
         return -1
     memset(partials, 0, nt * taps * sizeof(real))
-    cdef Py_ssize_t row, i, t
+    cdef Py_ssize_t i, t, task, rb, n_rb, n_cb, blk, c0
     if mult == 1 and g.KH == 3 and g.KW == 3:
-        for row in prange(g.N * g.OH, num_threads=nt, schedule="static"):
-            depthwise3x3_grad_weight_row(g, x, xs, dy, partials + threadid() * taps, row)
+        # Tasks of an image's rows (about DW_GRADW_PIXELS pixels) by
+        # DW_GRADW_CHANNELS channels: long runs for each channel vector's
+        # sums, enough tasks for the threads at batch 1 too.
+        rb = max(1, min(min(g.OH, DW_GRADW_MAX_ROWS), DW_GRADW_PIXELS // g.OW))
+        n_rb = cdiv(g.OH, rb)
+        n_cb = cdiv(g.C, DW_GRADW_CHANNELS)
+        for task in prange(g.N * n_rb * n_cb, num_threads=nt, schedule="static"):
+            blk = task // n_cb
+            c0 = task % n_cb * DW_GRADW_CHANNELS
+            depthwise3x3_grad_weight_block(g, x, xs, dy, partials + threadid() * taps,
+                                           blk // n_rb * g.OH + blk % n_rb * rb,
+                                           min(rb, g.OH - blk % n_rb * rb), c0,
+                                           min(DW_GRADW_CHANNELS, g.C - c0))
     else:
         depthwise_grad_weight_rows(g, mult, x, xs, dy, partials, nt)
     for i in range(taps):

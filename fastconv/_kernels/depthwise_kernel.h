@@ -74,12 +74,15 @@
  * ow in [lo, hi) have all three columns inside the image and skip the
  * column checks.  y: the output row, pixels C apart. */
 #define FC_DW3_FOR_TAPS(T, V, CHECK, BODY)                                        \
+    FC_DW3_FOR_TAPS_ROWS(T, V, CHECK, 1, BODY)
+#define FC_DW3_FOR_TAPS_ROWS(T, V, CHECK, ROWCHECK, BODY)                         \
     /* For each tap t of pixel ow inside the image: src = its input at       \
-       channel c; BODY. */                                                      \
+       channel c; BODY.  ROWCHECK 0: the caller knows all three rows are     \
+       inside. */                                                               \
     {                                                                           \
         ptrdiff_t iw0 = ow * SW - PL;                                           \
         FC_DW_UNROLL for (int kh = 0; kh < 3; kh++) {                           \
-            if (rows[kh] == NULL) continue;                                     \
+            if ((ROWCHECK) && rows[kh] == NULL) continue;                       \
             FC_DW_UNROLL for (int kw = 0; kw < 3; kw++) {                       \
                 ptrdiff_t iw = iw0 + kw * DW;                                   \
                 const int t = kh * 3 + kw;                                      \
@@ -124,34 +127,49 @@
         for (; ow < OW; ow++) FC_DW3_PIXEL(T, V, NV, 1, FINISH)                 \
     }
 
-/* The weight gradient of one output row of the same layer: for each
- * channel vector, the 9 taps' sums over the row's pixels stay in registers
- * (acc[t] += x under tap t * dy), added into the thread's partial dw
- * (taps (3, 3, C)) once per row instead of per pixel.  dy: the row's output
- * gradients, pixels C apart. */
-#define FC_DW3_GRADW_PIXEL(T, V, CHECK)                                         \
+/* The weight gradient of the same layer over a block of output rows: for
+ * each channel vector, the 9 taps' sums over the block's pixels stay in
+ * registers (acc[t] += x under tap t * dy), added into the thread's
+ * partial dw (taps (3, 3), tap t at dw + t*dwt) once per block.  Row r of
+ * the block: its input rows at rows[3r .. 3r+2] (NULL outside the image),
+ * its output gradients at dy + r*dyr, pixels dyw apart.  A block of rows
+ * rather than one: a 14-pixel row paid the setup and the partial sums'
+ * update per channel vector, and tested its row pointers at every pixel. */
+#define FC_DW3_GRADW_PIXEL(T, V, CHECK, ROWCHECK)                               \
     {                                                                           \
         V dv;                                                                   \
-        memcpy(&dv, dy + ow * C + c, sizeof(V));                                \
-        FC_DW3_FOR_TAPS(T, V, CHECK, {                                             \
+        memcpy(&dv, dyr_ + ow * dyw + c, sizeof(V));                            \
+        FC_DW3_FOR_TAPS_ROWS(T, V, CHECK, ROWCHECK, {                           \
             V xv;                                                               \
             memcpy(&xv, src, sizeof(V));                                        \
             acc[t] += xv * dv;                                                  \
         })                                                                      \
     }
 
+#define FC_DW3_GRADW_ROW(T, V, ROWCHECK)                                        \
+    {                                                                           \
+        ptrdiff_t ow = 0;                                                       \
+        for (; ow < lo; ow++) FC_DW3_GRADW_PIXEL(T, V, 1, ROWCHECK)             \
+        for (; ow < hi; ow++) FC_DW3_GRADW_PIXEL(T, V, 0, ROWCHECK)             \
+        for (; ow < OW; ow++) FC_DW3_GRADW_PIXEL(T, V, 1, ROWCHECK)             \
+    }
+
 #define FC_DW3_GRADW_STEP(T, V)                                                 \
     {                                                                           \
         V acc[9], sum;                                                          \
         FC_DW_UNROLL for (int t = 0; t < 9; t++) memset(&acc[t], 0, sizeof(V)); \
-        ptrdiff_t ow = 0;                                                       \
-        for (; ow < lo; ow++) FC_DW3_GRADW_PIXEL(T, V, 1)                       \
-        for (; ow < hi; ow++) FC_DW3_GRADW_PIXEL(T, V, 0)                       \
-        for (; ow < OW; ow++) FC_DW3_GRADW_PIXEL(T, V, 1)                       \
+        for (ptrdiff_t r = 0; r < nrows; r++) {                                 \
+            const T *const *rows = block_rows + 3 * r;                          \
+            const T *dyr_ = dy + r * dyr;                                       \
+            if (rows[0] != NULL && rows[1] != NULL && rows[2] != NULL)          \
+                FC_DW3_GRADW_ROW(T, V, 0)                                       \
+            else                                                                \
+                FC_DW3_GRADW_ROW(T, V, 1)                                       \
+        }                                                                       \
         FC_DW_UNROLL for (int t = 0; t < 9; t++) {                              \
-            memcpy(&sum, dw + t * C + c, sizeof(V));                            \
+            memcpy(&sum, dw + t * dwt + c, sizeof(V));                          \
             sum += acc[t];                                                      \
-            memcpy(dw + t * C + c, &sum, sizeof(V));                            \
+            memcpy(dw + t * dwt + c, &sum, sizeof(V));                          \
         }                                                                       \
     }
 
@@ -253,10 +271,11 @@
         for (; c < C; c++) FC_DW3_STEP(T, T, 1, FC_DW3_SCALAR_FINISH_##SUFFIX)  \
     }                                                                           \
                                                                                 \
-    static inline void fc_depthwise3x3_grad_weight_row_##SUFFIX(                \
-        const T *const rows[3], ptrdiff_t xsw, ptrdiff_t W, ptrdiff_t C,        \
-        ptrdiff_t OW, ptrdiff_t SW, ptrdiff_t DW, ptrdiff_t PL,                 \
-        ptrdiff_t lo, ptrdiff_t hi, const T *dy, T *dw)                         \
+    static inline void fc_depthwise3x3_grad_weight_rows_##SUFFIX(               \
+        const T *const *block_rows, ptrdiff_t nrows, ptrdiff_t xsw,             \
+        ptrdiff_t W, ptrdiff_t C, ptrdiff_t OW, ptrdiff_t SW, ptrdiff_t DW,     \
+        ptrdiff_t PL, ptrdiff_t lo, ptrdiff_t hi, const T *dy, ptrdiff_t dyw,   \
+        ptrdiff_t dyr, T *dw, ptrdiff_t dwt)                                    \
     {                                                                           \
         enum { VL = FC_VBYTES / sizeof(T) };                                    \
         ptrdiff_t c = 0;                                                        \
