@@ -366,7 +366,7 @@ cdef int depthwise_grad_weight_nogil(const ConvGeom* g, Py_ssize_t mult,
         # Tasks of an image's rows (about DW_GRADW_PIXELS pixels) by
         # DW_GRADW_CHANNELS channels: long runs for each channel vector's
         # sums, enough tasks for the threads at batch 1 too.
-        rb = max(1, min(min(g.OH, DW_GRADW_MAX_ROWS), DW_GRADW_PIXELS // g.OW))
+        rb = max(1, min(min(g.OH, DW_GRADW_MAX_ROWS), DW_GRADW_PIXELS // max(1, g.OW)))
         n_rb = cdiv(g.OH, rb)
         n_cb = cdiv(g.C, DW_GRADW_CHANNELS)
         for task in prange(g.N * n_rb * n_cb, num_threads=nt, schedule="static"):
