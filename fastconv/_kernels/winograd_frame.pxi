@@ -555,11 +555,11 @@ cdef int winograd_fused_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t ldv = patch_ld(<real>0, g.C), ldm = patch_ld(<real>0, OC)
     cdef Py_ssize_t sv = wino_point_stride(<real>0, tiles * ldv)
     cdef Py_ssize_t sm = wino_point_stride(<real>0, tiles * ldm)
-    # Points a line more than a panel apart: panels of whole pages (128 x
-    # 32 floats) put the 36 points' stores of one filter vector in one L1
-    # set (the filter transform took 36 % of 512->512 @7 batch 1, 1 thread;
-    # 62 -> 101 GFLOPS with the extra line).
-    cdef Py_ssize_t point_stride = kc_max * NR + 64 // <Py_ssize_t>sizeof(real)
+    # Points' panels an odd number of lines apart: panels of whole pages
+    # (128 x 32 floats) put the 36 points' stores of one filter vector in
+    # one L1 set (the filter transform took 36 % of 512->512 @7 batch 1,
+    # 1 thread; 62 -> 101 GFLOPS with the extra line).
+    cdef Py_ssize_t point_stride = wino_point_stride(<real>0, kc_max * NR)
     cdef Py_ssize_t panel_size = points * point_stride, wtile_size = 9 * g.C * NR
     cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
     cdef real* m = <real*>aligned_malloc(points * sm * sizeof(real))
@@ -771,11 +771,11 @@ cdef int winograd_short_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef Py_ssize_t sm = wino_point_stride(<real>0, tiles * ldm)
     cdef Py_ssize_t sat = short_m_packed_size(tiles, C, <real>0)
     cdef Py_ssize_t ldu = patch_ld(<real>0, C)
-    # Points a line more than the block apart: at 256 channels a block is
-    # 6 KiB, and F(4x4)'s 36 point stores of one filter vector fell in two
-    # L1 sets (the transform's perf share at 256->256 @14 b1 29 -> 14 %; as
-    # in winograd_fused_nogil).
-    cdef Py_ssize_t su = smr * ldu + 64 // <Py_ssize_t>sizeof(real), ub_size = points * su
+    # Points' blocks an odd number of lines apart: at 256 channels a block
+    # is 6 KiB, and F(4x4)'s 36 point stores of one filter vector fell in
+    # two L1 sets (the transform's perf share at 256->256 @14 b1 29 -> 14 %;
+    # as in winograd_fused_nogil).
+    cdef Py_ssize_t su = wino_point_stride(<real>0, smr * ldu), ub_size = points * su
     cdef Py_ssize_t pf_bytes = cdiv(cdiv(9 * C * <Py_ssize_t>sizeof(real), points), 64) * 64
     cdef real* v = <real*>aligned_malloc(points * sv * sizeof(real))
     cdef real* m = <real*>aligned_malloc(points * sm * sizeof(real))
