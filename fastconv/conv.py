@@ -287,7 +287,8 @@ def _winograd_variant(N, geo, Cg, OCg, dtype, prepacked=False):
     fused and few-tile paths), and F(4x4) won: 512->512 @7 b1 252/233 vs
     215/203 GFLOPS best/median.  Except where the kernels' short-M path
     takes F(2x2)'s tiles (AVX2, at least 512 input channels, 8 to 49
-    tiles: winograd_frame.pxi, wino_short_max_tiles): there F(2x2), whose
+    tiles, or float32 and 256 channels, 8 to 16 tiles: winograd_frame.pxi,
+    wino_short_max_tiles): there F(2x2), whose
     16 tiles fill the short-M kernels' vectors where F(4x4)'s 4 left them
     half empty (Zen 3, 512->512 @7 b1, best ms: F(4x4) fused 1.39-1.50,
     F(2x2) short-M 1.09-1.26), unless F(4x4)'s tiles take that path too

@@ -362,9 +362,10 @@ def test_fused_filters_match_filters_packed_up_front(isa, dtype, C, OC, tile):
 def short_m_winograd_runs(isa, dtype, tiles, C):
     """Where the kernels' short-M Winograd path takes per-call forward
     filters: AVX2 float32 (16 registers; AVX-512 has its few-tile path), 8
-    (a vector) to 49 tiles, at least 512 input channels."""
+    (a vector) to 49 tiles, at least 512 input channels, or 256 at up to 16
+    tiles."""
     return (isa == "avx2" and np.dtype(dtype) == np.float32 and 8 <= tiles <= 49
-            and C >= 512)
+            and (C >= 512 or (C >= 256 and tiles <= 16)))
 
 
 def winograd_tiles(N, H, W, m, dilation=1):
@@ -383,6 +384,9 @@ def winograd_tiles(N, H, W, m, dilation=1):
     (1, 14, 14, 512, 20, 1),   # 49 tiles of 2x2: the 49th rides as the extra row
     (2, 7, 7, 520, 30, 1),     # 32 / 8 tiles over two images
     (1, 9, 8, 512, 8, 2),      # per dilation phase: 24 / 8 tiles
+    (1, 14, 14, 256, 40, 1),   # 256 channels: 4x4's 16 tiles short-M, 2x2's 49 not
+    (1, 7, 7, 300, 24, 1),     # 300: 2x2's 16 tiles short-M (C a vector and a tail)
+    (1, 9, 9, 255, 16, 1),     # one channel short of it: fused either way
 ])
 def test_short_m_winograd_matches_reference(request, isa, dtype, N, H, W, C, OC, dilation,
                                             tile):
@@ -742,27 +746,29 @@ def test_winograd_variant_by_tile_count(isa, dtype, C, OC, N, H, dilation, expec
 
 
 @pytest.mark.skipif("avx2" not in fastconv._dispatch.AVAILABLE, reason="needs the AVX2 build")
-@pytest.mark.parametrize("N, H, dilation, expected", [
-    (1, 7, 1, 2),      # 4 tiles of 4x4 (not short-M), 16 of 2x2
-    (1, 6, 1, 2),      # 4 / 9
-    (1, 7, 2, 2),      # per dilation phase: 4 / 16
-    (2, 7, 1, 4),      # 8 / 32, both short-M: 36 x 15 < 16 x 39
-    (1, 14, 1, 4),     # 16 / 49: 36 x 23 < 16 x 56
-    (1, 10, 1, 2),     # 9 / 25: 16 x 32 < 36 x 16
-    (1, 4, 1, 4),      # 1 / 4: neither
-    (8, 7, 1, 4),      # 32 / 128: F(2x2) past 49 tiles
+@pytest.mark.parametrize("N, H, dilation, expected, expected_256", [
+    (1, 7, 1, 2, 2),      # 4 tiles of 4x4 (not short-M), 16 of 2x2
+    (1, 6, 1, 2, 2),      # 4 / 9
+    (1, 7, 2, 2, 2),      # per dilation phase: 4 / 16
+    (2, 7, 1, 4, 4),      # 8 / 32, both short-M: 36 x 15 < 16 x 39; 256: 4x4's only
+    (1, 14, 1, 4, 4),     # 16 / 49: 36 x 23 < 16 x 56; 256: 4x4's only
+    (1, 10, 1, 2, 4),     # 9 / 25: 16 x 32 < 36 x 16; 256: 4x4's only
+    (1, 4, 1, 4, 4),      # 1 / 4: neither
+    (8, 7, 1, 4, 4),      # 32 / 128: F(2x2) past 49 tiles
 ])
-def test_per_call_winograd_variant_by_short_m(N, H, dilation, expected):
+def test_per_call_winograd_variant_by_short_m(N, H, dilation, expected, expected_256):
     """Per call on AVX2 (float32, 512 input channels), F(2x2) where its tiles
     take the short-M path and F(4x4)'s do not, or cost more as points x
-    (tiles + 7); float64 (no AVX2 short-M kernels) and 256 input channels
-    stay on F(4x4)."""
+    (tiles + 7); with 256 input channels (short-M up to 16 tiles) F(2x2)
+    where its tiles are at most 16; float64 (no AVX2 short-M kernels) and
+    fewer than 256 input channels stay on F(4x4)."""
     geo = fastconv.conv._Geometry((3, 3), (1, 1), (dilation, dilation), (dilation, dilation),
                                   (H, H))
     with fastconv._dispatch.use_isa("avx2"):
         assert fastconv.conv._winograd_variant(N, geo, 512, 512, "float32") == expected
         assert fastconv.conv._winograd_variant(N, geo, 512, 512, "float64") == 4
-        assert fastconv.conv._winograd_variant(N, geo, 256, 512, "float32") == 4
+        assert fastconv.conv._winograd_variant(N, geo, 256, 512, "float32") == expected_256
+        assert fastconv.conv._winograd_variant(N, geo, 255, 512, "float32") == 4
 
 
 @pytest.mark.parametrize("kernel, kwargs, message", [
