@@ -188,15 +188,14 @@ def set_winograd_few_tiles(Py_ssize_t max_tiles):
 # V^T (590 KiB at 256 @14) from L3 for half as many products.  (Measured
 # before the point stride's extra line, which halved the filter
 # transform's share at 256 @14; after it that layer tied, 0.94-1.04 vs
-# 1.00-1.05 ms.)  Since the weight's rows are no longer transposed per
-# call on this path, float32 layers of 256 to 511 channels take it too at
-# up to WINO_SHORT_MID_MAX_TILES tiles: in one process alternating (Zen 3,
-# 2 threads, best / median ms, fused -> short-M, 8 runs of 10-14 rounds)
-# 256->256 @14 b1 1.04-1.20 / 1.17-1.42 -> 0.92-1.28 / 1.03-1.48: best
-# times 6-12 % faster in 6 runs, 6-7 % slower in 2, medians faster in 7;
-# 256->256 @7 b1 (F(2x2), 16 tiles) tied with the
-# fused F(4x4), 0.51-0.52 ms; but b2 (32 tiles) 1.62-2.04 -> 1.75-2.13 and
-# b3 (48) 2.39 -> 2.80 lost.
+# 1.00-1.05 ms.)  Measured again in session 38, float32 layers of 256 to
+# 511 channels won at up to WINO_SHORT_MID_MAX_TILES tiles and take it
+# there: in one process alternating (Zen 3, 2 threads, best / median ms,
+# fused -> short-M, 8 runs of 10-14 rounds) 256->256 @14 b1 1.04-1.20 /
+# 1.17-1.42 -> 0.92-1.28 / 1.03-1.48: best times 6-12 % faster in 6 runs,
+# 6-7 % slower in 2, medians faster in 7; 256->256 @7 b1 (F(2x2), 16
+# tiles) tied with the fused F(4x4), 0.51-0.52 ms; but b2 (32 tiles)
+# 1.62-2.04 -> 1.75-2.13 and b3 (48) 2.39 -> 2.80 lost.
 cdef Py_ssize_t wino_short_max_tiles = SHORT_M_MAX_ROWS if VBYTES == 32 else 0
 
 
