@@ -173,8 +173,10 @@ cdef void depthwise3x3_grad_weight_block(const ConvGeom* g, const real* x, Image
                                          Py_ssize_t nrows, Py_ssize_t c0,
                                          Py_ssize_t width) noexcept nogil:
     # dw (3, 3, C) += the contribution of output rows row0 .. row0+nrows
-    # (one image's) to channels c0 .. c0+width, multiplier 1.
+    # (one image's) to channels c0 .. c0+width, multiplier 1.  The
+    # interior columns are the same for every row.
     cdef const void* rows[3 * DW_GRADW_MAX_ROWS]
+    cdef RowRange inner = columns_with_taps_inside(g)
     cdef Row3x3 r
     cdef Py_ssize_t i, kh
     for i in range(nrows):
@@ -184,12 +186,12 @@ cdef void depthwise3x3_grad_weight_block(const ConvGeom* g, const real* x, Image
                 <const real*>r.rows[kh] + c0)
     if real is float:
         fc_depthwise3x3_grad_weight_rows_f32(<const float**>rows, nrows, xs.w, g.W, width,
-                                             g.OW, g.SW, g.DW, g.PL, r.lo, r.hi,
+                                             g.OW, g.SW, g.DW, g.PL, inner.lo, inner.hi,
                                              dy + row0 * g.OW * g.C + c0, g.C, g.OW * g.C,
                                              dw + c0, g.C)
     else:
         fc_depthwise3x3_grad_weight_rows_f64(<const double**>rows, nrows, xs.w, g.W, width,
-                                             g.OW, g.SW, g.DW, g.PL, r.lo, r.hi,
+                                             g.OW, g.SW, g.DW, g.PL, inner.lo, inner.hi,
                                              dy + row0 * g.OW * g.C + c0, g.C, g.OW * g.C,
                                              dw + c0, g.C)
 
