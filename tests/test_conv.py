@@ -1099,6 +1099,47 @@ def test_threads_give_identical_results(x_shape, kwargs, request):
         np.testing.assert_array_equal(gw2, gw_first)
 
 
+@pytest.mark.parametrize("isa", fastconv._dispatch.AVAILABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, w_shape, kwargs", [
+    ((8, 7, 7, 2048), (512, 1, 1, 2048), {}),                    # ResNet-50's 2048->512 b8
+    ((8, 7, 7, 256), (512, 3, 3, 256), dict(padding=1)),         # border pixels' windows
+    ((3, 5, 7, 1031), (288, 1, 1, 1031), {}),                    # prime K: a k tail
+    ((2, 9, 11, 131), (416, 3, 3, 131), dict(stride=2, padding=1)),
+])
+def test_large_weights_split_by_output_channels(isa, dtype, x_shape, w_shape, kwargs, request):
+    """Per-call weights past 1 MiB with at least as many output channels as
+    output pixels: on 2 threads the implicit GEMM splits the output channels
+    (each thread packs its share of the weights a block at a time), on 1 it
+    runs every pixel alone.  Both against float64 torch, and the same bits,
+    forward and input gradient (whose "weights" are the flipped ones, input
+    channels as outputs)."""
+    rng = np.random.default_rng(list(w_shape))
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    assert w.nbytes > 1 << 20
+    ref_y = from_torch(F.conv2d(to_torch(x.astype(np.float64), "NHWC"),
+                                torch.from_numpy(w.astype(np.float64).transpose(0, 3, 1, 2)),
+                                None, kwargs.get("stride", 1), kwargs.get("padding", 0)), "NHWC")
+    assert w_shape[0] >= ref_y.size // w_shape[0]           # OC >= M
+    dy = rng.standard_normal(ref_y.shape).astype(dtype)
+    _, ref_gx, _, _ = torch_grads(x, w, np.zeros(w_shape[0], dtype), dy, **kwargs)
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    results = []
+    with fastconv._dispatch.use_isa(isa):
+        for nt in (1, 2):
+            fastconv.set_num_threads(nt)
+            y = conv2d(x, w, algorithm="implicit", **kwargs)
+            gx, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False), **kwargs)
+            assert_close(y, ref_y, dtype, w[0].size, f"output, {nt} threads")
+            assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
+                         f"grad_input, {nt} threads")
+            results.append((y, gx))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 # --------------------------------------------------------------- depthwise
 
 @pytest.mark.parametrize("N, H, W, C, mult, k, s, d, p", [

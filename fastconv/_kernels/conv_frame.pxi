@@ -821,7 +821,24 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # then threads plan the same chunk, a small price next to its
     # multiplication.
     cdef Py_ssize_t m_panels = cdiv(M, MR), n_chunks = cdiv(M, R), n_ic, n_js
+    cdef Py_ssize_t item = sizeof(real)
     best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
+    # Per-call weights past an L2 and at least as large as the patches (OC
+    # >= M: batch 8 at 7x7) are split by columns whenever they split evenly:
+    # each thread then packs and reads only its share of them, a block at a
+    # time into its own L2 (pack_own below), and reads all the patches, the
+    # smaller operand.  Split by pixels, the weights were packed whole to
+    # memory and each thread read all of them back.  Zen 3, 2 threads, in
+    # one process alternating, best / median ms pixels -> columns: 1x1
+    # 2048->512 @7 b8 6.10 / 7.20 -> 5.43 / 7.10 and 7.02 / 8.12 -> 6.46 /
+    # 7.30; 512->2048 @7 b8 medians 7.64 -> 6.56, 7.95 -> 6.77; 1x1/2
+    # 1024->2048 @14 b8 15.7 -> 13.9, 16.1 -> 14.0; 3x3 512->512 @7 b8
+    # 13.2 -> 12.7, 15.3 -> 12.4 (best); 3x3/2 256->512 @14 b8 6.42 ->
+    # 6.08, 6.35 -> 6.02.  At b16 (patches 1.6x the weights) a tie.
+    if (prepacked == NULL and OC >= M and K * OC * item > 2 * chunk_bytes
+            and nt > 1 and cdiv(nc_blk, NR) % nt == 0):
+        n_ic = 1
+        n_js = nt
     # Chunks of equal size (within one micro-panel), as many as a multiple
     # of the pixel shares: 784 pixels as 512 + 272 left one thread idle a
     # third of the call, and as 3 x 204 + 172 (chunks rounded up to whole
@@ -840,7 +857,6 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef bint use_taps = sh.pitch == g.DH * xs.h and sh.tap == g.DW * xs.w
     cdef Py_ssize_t n_border = border_pixels(g, use_taps)
     cdef ShadowLayout sh_all = shadow_layout(<real>0, g, xs, max(1, n_border), own_pitch)
-    cdef Py_ssize_t item = sizeof(real)
     if n_ic == 1 and n_chunks > 1 and (
             M * ld * item <= 4 * chunk_bytes
             or (K * OC * item > 2 * chunk_bytes
