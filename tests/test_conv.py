@@ -1113,7 +1113,9 @@ def test_large_weights_split_by_output_channels(isa, dtype, x_shape, w_shape, kw
     (each thread packs its share of the weights a block at a time), on 1 it
     runs every pixel alone.  Both against float64 torch, and the same bits,
     forward and input gradient (whose "weights" are the flipped ones, input
-    channels as outputs)."""
+    channels as outputs).  The weight gradients too, against torch: at 512
+    output channels dy's rows are 2 or 4 KiB apart, and its dy^T slices
+    are copied (macro_kernel_ld's kmajor_sets)."""
     rng = np.random.default_rng(list(w_shape))
     x = rng.standard_normal(x_shape).astype(dtype)
     w = rng.standard_normal(w_shape).astype(dtype)
@@ -1123,7 +1125,7 @@ def test_large_weights_split_by_output_channels(isa, dtype, x_shape, w_shape, kw
                                 None, kwargs.get("stride", 1), kwargs.get("padding", 0)), "NHWC")
     assert w_shape[0] >= ref_y.size // w_shape[0]           # OC >= M
     dy = rng.standard_normal(ref_y.shape).astype(dtype)
-    _, ref_gx, _, _ = torch_grads(x, w, np.zeros(w_shape[0], dtype), dy, **kwargs)
+    _, ref_gx, ref_gw, _ = torch_grads(x, w, np.zeros(w_shape[0], dtype), dy, **kwargs)
     previous = fastconv.get_num_threads()
     request.addfinalizer(lambda: fastconv.set_num_threads(previous))
     results = []
@@ -1131,10 +1133,11 @@ def test_large_weights_split_by_output_channels(isa, dtype, x_shape, w_shape, kw
         for nt in (1, 2):
             fastconv.set_num_threads(nt)
             y = conv2d(x, w, algorithm="implicit", **kwargs)
-            gx, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False), **kwargs)
+            gx, gw, _ = conv2d_backward(dy, x, w, output_mask=(True, True, False), **kwargs)
             assert_close(y, ref_y, dtype, w[0].size, f"output, {nt} threads")
             assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
                          f"grad_input, {nt} threads")
+            assert_close(gw, ref_gw, dtype, dy.size // w_shape[0], f"grad_weight, {nt} threads")
             results.append((y, gx))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])

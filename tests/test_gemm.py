@@ -341,6 +341,26 @@ def test_transposed_a_every_panel_width(isa, dtype):
             check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
 
 
+@pytest.mark.parametrize("ld_bytes", [2048, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_transposed_a_rows_a_multiple_of_2_kib_apart(isa, dtype, ld_bytes):
+    # A.T whose k rows are a multiple of 2 KiB apart (a weight gradient's
+    # dy^T at 512 output channels): each slice is copied row-major before
+    # its panels, not read k-major in place (macro_kernel_ld's
+    # kmajor_sets).  Every tile height, two or three K blocks, NaN past the
+    # M columns of each row.
+    ld = ld_bytes // np.dtype(dtype).itemsize
+    for K, N in ((45, 33), (600, 70)):
+        for M in (2, 5, 6, 7, 12, 13, 14, 29, 64):
+            rng = rng_for("at 2 KiB", isa, dtype_id(dtype), M, K, ld)
+            base = np.full((K, ld), np.nan, dtype)
+            base[:, :M] = randn(rng, (K, M), dtype)
+            at = base[:, :M]
+            b = randn(rng, (K, N), dtype)
+            got = GEMM[dtype](1.0, at, b, trans_a=True)
+            check_gemm(got, 1.0, at.T, b, 0.0, None, dtype)
+
+
 @pytest.mark.parametrize("nt", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_narrow_b_next_to_transposed_a(isa, dtype, nt):

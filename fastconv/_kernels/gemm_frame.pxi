@@ -569,7 +569,23 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     cdef Py_ssize_t NR = S_NR if real is float else D_NR
     cdef real acc[MAX_TILE]
     cdef real panel[MAX_PANEL]
-    cdef bint kmajor_a = csa != 1 and rsa == 1
+    # An A.T view whose k rows are a multiple of 2 KiB apart puts a tile's
+    # kc values of k (one line each) in two L1 sets: every broadcast missed
+    # L1, once per NR panel.  Such slices are copied row-major like the
+    # others (once per slice), unless the caller streams A from memory
+    # (stream_ahead: the kernel's own prefetch k rows ahead, which the copy
+    # would lose: 1x1 512->128 @28 b8, patches on the left, 15-20 % slower
+    # copied).  Zen 3, 2 threads, weight gradients alone, in one process
+    # alternating, best / median ms in place -> copied: 1x1 2048->512 @7 b8
+    # 7.25 / 9.27 -> 6.44 / 8.54 and 8.74 / 9.26 -> 6.15 / 7.90, 512->2048
+    # @7 b8 (dy^T @ x by gemm_nogil) medians 11.5 -> 8.5, 12.0 -> 8.6, 1x1/2
+    # 1024->2048 @14 b8 26.0 -> 20.4, 26.6 -> 20.5, 3x3/2 256->512 @14 b8
+    # 9.19 -> 8.36, 9.86 -> 8.12; batch 1 (shallow chunks) within noise.
+    # Copying at any stride of 4 lines or more (fewer than 16 sets) lost:
+    # 1x1 64->256 @56 b8 (dy^T @ x, 1 KiB rows) 7.3-9.1 -> 10.0-15.6 best.
+    cdef bint kmajor_sets = (csa != 1 and rsa == 1 and not stream_ahead
+                             and (csa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
+    cdef bint kmajor_a = csa != 1 and rsa == 1 and not kmajor_sets
     cdef bint copy_a = not kmajor_a and (csa != 1
                                          or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef bint in_place_a = not kmajor_a and not copy_a
@@ -594,7 +610,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         mr = share_start(ip + 1, mc, n_tiles) - ir
         next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
-        if kmajor_a and next_kc > 0:
+        if (kmajor_a or kmajor_sets) and next_kc > 0:
             fc_prefetch_rows(a + (kc + share_start(ip, next_kc, n_tiles)) * csa,
                              share_start(ip + 1, next_kc, n_tiles)
                              - share_start(ip, next_kc, n_tiles),
