@@ -246,6 +246,17 @@ def check_inputs_untouched(pairs):
         np.testing.assert_array_equal(given, original)
 
 
+def on_1_and_2_threads(isa, request):
+    """Yields 1, then 2, with fastconv on that many threads and the isa's
+    kernels in use; the thread count is restored when the test ends."""
+    previous = fastconv.get_num_threads()
+    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
+    with fastconv._dispatch.use_isa(isa):
+        for nt in (1, 2):
+            fastconv.set_num_threads(nt)
+            yield nt
+
+
 @pytest.mark.parametrize("case", CONV2D_CASES, ids=str)
 def test_conv2d_and_backward_match_torch(case, request):
     if case.small_chunks:
@@ -609,16 +620,13 @@ def test_strided_input_gradient_by_phases(isa, x_shape, w_shape, kwargs, dy_layo
     by_phases = fastconv.conv._phase_data_grad
     monkeypatch.setattr(fastconv.conv, "_phase_data_grad",
                         lambda *args: calls.append(1) or by_phases(*args))
-    previous = fastconv.get_num_threads()
-    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
     results = []
+    for nt in on_1_and_2_threads(isa, request):
+        gx, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False), **kwargs)
+        assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
+                     f"grad_input, {nt} threads")
+        results.append(gx)
     with fastconv._dispatch.use_isa(isa):
-        for nt in (1, 2):
-            fastconv.set_num_threads(nt)
-            gx, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False), **kwargs)
-            assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
-                         f"grad_input, {nt} threads")
-            results.append(gx)
         fastconv.conv._PHASE_MIN_CHANNELS, saved = 10**9, fastconv.conv._PHASE_MIN_CHANNELS
         try:
             by_col2im, _, _ = conv2d_backward(dy, x, w, output_mask=(True, False, False),
@@ -1126,19 +1134,15 @@ def test_large_weights_split_by_output_channels(isa, dtype, x_shape, w_shape, kw
     assert w_shape[0] >= ref_y.size // w_shape[0]           # OC >= M
     dy = rng.standard_normal(ref_y.shape).astype(dtype)
     _, ref_gx, ref_gw, _ = torch_grads(x, w, np.zeros(w_shape[0], dtype), dy, **kwargs)
-    previous = fastconv.get_num_threads()
-    request.addfinalizer(lambda: fastconv.set_num_threads(previous))
     results = []
-    with fastconv._dispatch.use_isa(isa):
-        for nt in (1, 2):
-            fastconv.set_num_threads(nt)
-            y = conv2d(x, w, algorithm="implicit", **kwargs)
-            gx, gw, _ = conv2d_backward(dy, x, w, output_mask=(True, True, False), **kwargs)
-            assert_close(y, ref_y, dtype, w[0].size, f"output, {nt} threads")
-            assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
-                         f"grad_input, {nt} threads")
-            assert_close(gw, ref_gw, dtype, dy.size // w_shape[0], f"grad_weight, {nt} threads")
-            results.append((y, gx))
+    for nt in on_1_and_2_threads(isa, request):
+        y = conv2d(x, w, algorithm="implicit", **kwargs)
+        gx, gw, _ = conv2d_backward(dy, x, w, output_mask=(True, True, False), **kwargs)
+        assert_close(y, ref_y, dtype, w[0].size, f"output, {nt} threads")
+        assert_close(gx, ref_gx, dtype, w_shape[0] * w_shape[1] * w_shape[2],
+                     f"grad_input, {nt} threads")
+        assert_close(gw, ref_gw, dtype, dy.size // w_shape[0], f"grad_weight, {nt} threads")
+        results.append((y, gx))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
