@@ -581,8 +581,9 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # @7 b8 (dy^T @ x by gemm_nogil) medians 11.5 -> 8.5, 12.0 -> 8.6, 1x1/2
     # 1024->2048 @14 b8 26.0 -> 20.4, 26.6 -> 20.5, 3x3/2 256->512 @14 b8
     # 9.19 -> 8.36, 9.86 -> 8.12; batch 1 (shallow chunks) within noise.
-    # Copying at any stride of 4 lines or more (fewer than 16 sets) lost:
-    # 1x1 64->256 @56 b8 (dy^T @ x, 1 KiB rows) 7.3-9.1 -> 10.0-15.6 best.
+    # Streamed 1 KiB rows (four sets; 1x1 64->256 @56 b8, dy^T @ x) lost
+    # copied too: 7.3-9.1 -> 10.0-15.6 best.  Unstreamed slices at 1 KiB
+    # were not measured, so the copy stays at 2 KiB multiples.
     cdef bint kmajor_sets = (csa != 1 and rsa == 1 and not stream_ahead
                              and (csa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef bint kmajor_a = csa != 1 and rsa == 1 and not kmajor_sets
