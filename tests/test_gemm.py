@@ -347,8 +347,9 @@ def test_transposed_a_rows_a_multiple_of_2_kib_apart(isa, dtype, ld_bytes):
     # A.T whose k rows are a multiple of 2 KiB apart (a weight gradient's
     # dy^T at 512 output channels): each slice is copied row-major before
     # its panels, not read k-major in place (macro_kernel_ld's
-    # kmajor_sets).  Every tile height, two or three K blocks, NaN past the
-    # M columns of each row.
+    # kmajor_sets).  Tiles of many heights up to each build's MR (M = 2..64
+    # in equal tiles), two or three K blocks, NaN past the M columns of
+    # each row.
     ld = ld_bytes // np.dtype(dtype).itemsize
     for K, N in ((45, 33), (600, 70)):
         for M in (2, 5, 6, 7, 12, 13, 14, 29, 64):
