@@ -822,6 +822,8 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # multiplication.
     cdef Py_ssize_t m_panels = cdiv(M, MR), n_chunks = cdiv(M, R), n_ic, n_js
     cdef Py_ssize_t item = sizeof(real)
+    # Weights that outgrow an L2 (1 MiB) once packed.
+    cdef bint weights_past_l2 = K * OC * item > 2 * chunk_bytes
     best_split(m_panels, cdiv(nc_blk, NR), nt, &n_ic, &n_js)
     # Per-call weights past an L2 and at least as large as the patches (OC
     # >= M: batch 8 at 7x7) are split by columns whenever they split evenly:
@@ -835,8 +837,8 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     # 1024->2048 @14 b8 15.7 -> 13.9, 16.1 -> 14.0; 3x3 512->512 @7 b8
     # 13.2 -> 12.7, 15.3 -> 12.4 (best); 3x3/2 256->512 @14 b8 6.42 ->
     # 6.08, 6.35 -> 6.02.  At b16 (patches 1.6x the weights) a tie.
-    if (prepacked == NULL and OC >= M and K * OC * item > 2 * chunk_bytes
-            and nt > 1 and cdiv(nc_blk, NR) % nt == 0):
+    if (prepacked == NULL and weights_past_l2 and OC >= M and nt > 1
+            and cdiv(nc_blk, NR) % nt == 0):
         n_ic = 1
         n_js = nt
     # Chunks of equal size (within one micro-panel), as many as a multiple
@@ -859,7 +861,7 @@ cdef int conv_forward_nogil(const ConvGeom* g, const real* x, ImageStrides xs,
     cdef ShadowLayout sh_all = shadow_layout(<real>0, g, xs, max(1, n_border), own_pitch)
     if n_ic == 1 and n_chunks > 1 and (
             M * ld * item <= 4 * chunk_bytes
-            or (K * OC * item > 2 * chunk_bytes
+            or (weights_past_l2
                 and shadow_size(&sh_all, n_border) * item <= 4 * chunk_bytes)):
         # Each chunk streams the thread's share of the packed weights from
         # L3 or memory once: when the threads do not split the pixels (they

@@ -584,9 +584,10 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
     # Streamed 1 KiB rows (four sets; 1x1 64->256 @56 b8, dy^T @ x) lost
     # copied too: 7.3-9.1 -> 10.0-15.6 best.  Unstreamed slices at 1 KiB
     # were not measured, so the copy stays at 2 KiB multiples.
-    cdef bint kmajor_sets = (csa != 1 and rsa == 1 and not stream_ahead
+    cdef bint at_view = csa != 1 and rsa == 1
+    cdef bint kmajor_sets = (at_view and not stream_ahead
                              and (csa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
-    cdef bint kmajor_a = csa != 1 and rsa == 1 and not kmajor_sets
+    cdef bint kmajor_a = at_view and not kmajor_sets
     cdef bint copy_a = not kmajor_a and (csa != 1
                                          or (rsa * <Py_ssize_t>sizeof(real)) % 2048 == 0)
     cdef bint in_place_a = not kmajor_a and not copy_a
@@ -611,7 +612,7 @@ cdef void macro_kernel_ld(Py_ssize_t mc, Py_ssize_t nc, Py_ssize_t kc, Py_ssize_
         mr = share_start(ip + 1, mc, n_tiles) - ir
         next_rows = share_start(ip + 2, mc, n_tiles) - (ir + mr) if ip + 1 < n_tiles else 0
         ap = a + ir * rsa
-        if (kmajor_a or kmajor_sets) and next_kc > 0:
+        if at_view and next_kc > 0:
             fc_prefetch_rows(a + (kc + share_start(ip, next_kc, n_tiles)) * csa,
                              share_start(ip + 1, next_kc, n_tiles)
                              - share_start(ip, next_kc, n_tiles),
