@@ -1501,8 +1501,8 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     (4, 24, 16, 20, 3, 1, 1),           # 2304 rows of 144 columns
     (4, 40, 3, 13, 7, 2, 3),            # RGB stem, 147 columns
     (4, 24, 70, 16, 1, 1, 0),           # 1x1: the image read in place
-    # fewer patch rows, or twice as many output channels as patch columns:
-    # dy on the left
+    # fewer patch rows, or twice as many output channels as patch columns
+    # (AVX2 with chunks shared by the threads: four times): dy on the left
     (1, 8, 96, 48, 3, 1, 1),            # 64 rows of 864 columns
     (2, 8, 600, 40, 1, 1, 0),           # 1x1, 128 rows of 600 columns
     (8, 48, 16, 40, 1, 2, 0),           # 1x1/2, 4608 rows of 16 columns, 40 channels
@@ -1513,6 +1513,7 @@ def test_implicit_gemm_kernel_rows_read_as_runs(isa, kernel, stride, dilation, p
     (4, 24, 32, 96, 1, 1, 0),
     (4, 24, 64, 160, 1, 1, 0),
     (4, 24, 48, 112, 1, 1, 0),
+    (4, 24, 16, 80, 1, 1, 0),           # five times as many: dy on the left on AVX2 too
     # the patches on the left with 64 and 128 output channels: dy's rows
     # read in place (at most 512 bytes: 128 float32, 64 float64 values)
     (4, 24, 16, 64, 3, 1, 1),
