@@ -427,7 +427,7 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
       groups of more than 64 output channels on images of at most 4096
       pixels or with more input channels than the GEMM's k-block, and where
       a group has more than twice as many input channels as the image has
-      pixels; outside AVX-512, for every group of 16 or more output
+      pixels; outside AVX-512, for ungrouped layers of 16 or more output
       channels; but gemm1x1 again, per call, for images of at most 49
       pixels and 512 or more channels in and out, see _short_m_pays);
     - "winograd": 3x3, stride 1, any dilation: Winograd F(4x4, 3x3), 36
@@ -467,8 +467,9 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
             # the weights outweigh the image (more than two input channels a
             # pixel) implicit GEMM packs them a block at a time per thread,
             # or not at all once prepacked (2048->512 @7 b1 0.74 -> 0.58 ms
-            # on Zen 4).  The AVX2 and baseline builds (6 x 16 and 4 x 8
-            # float32 tiles) take implicit GEMM for every group of 16 or more
+            # on Zen 4).  The AVX2 and baseline builds (6 x 16 and 6 x 8
+            # float32 tiles; baseline is also the aarch64 build, not
+            # measured) take implicit GEMM for ungrouped layers of 16 or more
             # output channels: Zen 3, AVX2, 2 threads, one process
             # alternating, best/median GFLOPS implicit vs gemm1x1: b8 64->256
             # @56 108/105 vs 98/96, 64->64 @56 111/105 vs 101/97, 32->128
@@ -476,14 +477,15 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
             # @56 72/69 vs 67/65; 256->64 @56 b8 and b1, 128->32 @112 b8,
             # 256->1024 @14 b8, 1024->256 @14 b8 within 3 %; baseline b8
             # 64->256 23/20 vs 20/18, 64->64 16/14 vs 13/13.  Fewer output
-            # channels stay with gemm1x1 and its narrow-output kernels.
+            # channels stay with gemm1x1 and its narrow-output kernels;
+            # grouped 1x1 layers were not measured.
             Cg, OCg, pixels = C // groups, OC // groups, N * in_hw[0] * in_hw[1]
             if _short_m_pays(groups, Cg, OCg, pixels, prepacked, dtype):
                 return "gemm1x1"
             gemm_kc = _dispatch.kernels.BLOCKING_F32["KC"]
             if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
-            if _dispatch.kernels.ISA != "avx512" and OCg >= 16:
+            if groups == 1 and _dispatch.kernels.ISA != "avx512" and OCg >= 16:
                 return "implicit"
             return "gemm1x1"
         if _thin_winograd_pays(groups, N, geo, C) or (

@@ -1884,6 +1884,16 @@ def test_auto_picks_for_pointwise(N, H, C, OC, prepacked, expected):
         assert got == want, dtype
 
 
+def test_auto_keeps_gemm1x1_for_grouped_pointwise():
+    """The AVX2 and baseline builds' implicit GEMM for 1x1 layers of 16 or
+    more output channels was measured ungrouped only: a grouped 1x1 layer on
+    a large image keeps gemm1x1 on every build."""
+    geo = fastconv.conv._Geometry((1, 1), (1, 1), (1, 1), (0, 0), (56, 56))
+    for dtype in ("float32", "float64"):
+        assert fastconv.conv._choose_algorithm("auto", 2, 64, 256, 8, geo, (56, 56), False,
+                                               dtype) == "gemm1x1"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("N, H, W, C, OC", [
     (1, 7, 7, 512, 512),      # 49 pixels: 3 vectors and the extra row (float32)

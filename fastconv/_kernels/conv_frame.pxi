@@ -1032,16 +1032,18 @@ cdef inline bint grad_weight_patches_left(Py_ssize_t M, Py_ssize_t K, Py_ssize_t
     # many output channels as patch columns it lost too: 1x1/2 256->512 @56
     # 416 -> 400, batch 1 416 -> 338, 64->128 320 -> 272, 512->1024 @28 432
     # -> 376 (VGG's 3x3 3->64, 27 patch columns, won 105 -> 123 but stays
-    # with dy on the left there).  AVX2 (6 x 16 tiles: 64 patch columns are
-    # 11 tiles, not AVX-512's 5 1/3 of 12) keeps the patches on the left up
-    # to four times as many output channels as patch columns where the
-    # threads split chunks of pixels: Zen 3, 2 threads, one process
-    # alternating, best ms dy-left -> patches-left, 1x1 64->256 @56 b8
-    # 10.6-11.4 -> 8.6-9.3 (medians 13.4-17.3 -> 10.3-10.5), 64->128 @56
-    # b8 5.3-5.6 -> 3.8-4.3, 128->512 @28 b8 9.2-11.2 -> 7.6-8.2, 512->1024
-    # @28 b8 48-50 -> 45-47, VGG 3x3 3->64 @224 b1 3.8-4.3 -> 2.7-3.8;
-    # 1x1/2 256->512 @56 b8 and 256->1024 @14 b8 within 3 %.  Not with the
-    # columns split (1x1 64->256 @56 b1: 0.98 -> 1.12).
+    # with dy on the left there).  The AVX2 build (6-row tiles, where 64
+    # patch columns are 11 tiles, AVX-512's 5 1/3 of 12: perhaps why) keeps
+    # the patches on the left up to four times as many output channels as
+    # patch columns where the threads split chunks of pixels: Zen 3, 2
+    # threads, one process alternating, best ms dy-left -> patches-left,
+    # 1x1 64->256 @56 b8 10.6-11.4 -> 8.6-9.3 (medians 13.4-17.3 ->
+    # 10.3-10.5; float64 25.7-34.9 -> 16.8-19.4, and at b1, whose float64
+    # chunks are split, 3.2-4.9 -> 2.2-2.4), 64->128 @56 b8 5.3-5.6 ->
+    # 3.8-4.3, 128->512 @28 b8 9.2-11.2 -> 7.6-8.2, 512->1024 @28 b8 48-50
+    # -> 45-47, VGG 3x3 3->64 @224 b1 3.8-4.3 -> 2.7-3.8; 1x1/2 256->512
+    # @56 b8 and 256->1024 @14 b8 within 3 %.  Not with the columns split
+    # (1x1 64->256 @56 b1: 0.98 -> 1.12).
     if VBYTES == 32 and split_chunks:
         return M >= 2 * K and OC <= 4 * K
     return M >= 2 * K and OC < 2 * K
