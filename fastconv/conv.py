@@ -402,6 +402,10 @@ def _short_m_pays(groups, Cg, OCg, pixels, prepacked, dtype):
             and _dispatch.kernels.short_m_gemm_applies(pixels, OCg, Cg, dtype))
 
 
+# Fewer output channels than this: gemm1x1's narrow-output kernels.
+_NARROW_OUTPUT_CHANNELS = 16
+
+
 def _narrow_output_pays(groups, x, w2d):
     """Whether gemm1x1 runs a 1x1 layer with fewer than 16 output channels
     (a segmentation head, an RGB output) by the kernels' narrow-output GEMM
@@ -410,7 +414,8 @@ def _narrow_output_pays(groups, x, w2d):
     contiguous, at most a vector of output channels, a build that has the
     short-M kernels (AVX-512; AVX2 for float32)."""
     OC, K = w2d.shape
-    return (groups == 1 and OC < 16 and x.flags.c_contiguous and w2d.flags.c_contiguous
+    return (groups == 1 and OC < _NARROW_OUTPUT_CHANNELS
+            and x.flags.c_contiguous and w2d.flags.c_contiguous
             and _dispatch.kernels.narrow_output_gemm_applies(
                 x.size // K, OC, K, _args.dtype_name(x.dtype)))
 
@@ -485,7 +490,8 @@ def _choose_algorithm(algorithm, groups, C, OC, N, geo, in_hw, prepacked=False,
             gemm_kc = _dispatch.kernels.BLOCKING_F32["KC"]
             if Cg > 2 * pixels or (OCg > 64 and (pixels <= 4096 or Cg > gemm_kc)):
                 return "implicit"
-            if groups == 1 and _dispatch.kernels.ISA != "avx512" and OCg >= 16:
+            if (groups == 1 and _dispatch.kernels.ISA != "avx512"
+                    and OCg >= _NARROW_OUTPUT_CHANNELS):
                 return "implicit"
             return "gemm1x1"
         if _thin_winograd_pays(groups, N, geo, C) or (
